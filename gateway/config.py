@@ -1,0 +1,219 @@
+"""Typed gateway configuration: YAML file, then ``LLM_GATEWAY_*`` environment, then CLI flags.
+
+Validation happens here, at start-up, and every error names the offending key
+(``endpoints.1.role``, ``profiles.0.plugins.2.ref``), so a bad deploy fails loudly
+instead of routing wrongly. Plugin *types* are checked against the plugin registry
+in :func:`gateway.scheduling.build.build_scheduler`, which is also run at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "EndpointConfig",
+    "GatewayConfig",
+    "PluginSpec",
+    "ProfileSpec",
+    "load_config",
+]
+
+ENV_PREFIX = "LLM_GATEWAY_"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=64, description="processes sharing the port via SO_REUSEPORT")
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+
+
+class EndpointConfig(_Strict):
+    url: str
+    models: list[str] = Field(default_factory=list, description="empty: discovered from /v1/models")
+    role: Literal["both", "prefill", "decode"] = "both"
+    engine: Literal["vllm", "sglang"] = "vllm"
+    labels: dict[str, str] = Field(default_factory=dict)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    healthy_threshold: int = Field(1, ge=1)
+    unhealthy_threshold: int = Field(2, ge=1)
+    path: str = "/health"
+
+
+class ScrapeConfig(_Strict):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(0.5, gt=0)
+    stale_after_s: float = Field(3.0, gt=0)
+    enabled: bool = True
+
+
+class TimeoutConfig(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_byte_s: float = Field(300.0, gt=0, description="until upstream response headers")
+    idle_s: float = Field(60.0, gt=0, description="longest gap between streamed chunks")
+    total_s: float = Field(900.0, gt=0)
+
+
+class LimitConfig(_Strict):
+    upstream_connections: int = Field(4096, ge=1, description="aiohttp connector limit, all endpoints")
+    upstream_connections_per_endpoint: int = Field(1024, ge=0, description="0 = unlimited")
+    retries: int = Field(1, ge=0, le=5, description="re-sends before the first byte, never same endpoint")
+
+
+class PluginSpec(_Strict):
+    type: str
+    name: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def instance_name(self) -> str:
+        return self.name or self.type
+
+
+class ProfilePluginRef(_Strict):
+    ref: str
+    weight: float = Field(1.0, ge=0)
+
+
+class ProfileSpec(_Strict):
+    name: str
+    plugins: list[ProfilePluginRef]
+
+
+class GatewayConfig(_Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    limits: LimitConfig = Field(default_factory=LimitConfig)
+    policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
+    plugins: list[PluginSpec] = Field(default_factory=list)
+    profiles: list[ProfileSpec] = Field(default_factory=list)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_references(self) -> GatewayConfig:
+        if self.policy and (self.plugins or self.profiles):
+            raise ValueError("policy: give either a preset name or plugins/profiles, not both")
+        names: set[str] = set()
+        for index, spec in enumerate(self.plugins):
+            if spec.instance_name in names:
+                raise ValueError(f"plugins.{index}.name: duplicate plugin name {spec.instance_name!r}")
+            names.add(spec.instance_name)
+        if self.plugins and not self.profiles:
+            raise ValueError("profiles: plugins are configured but no profile references them")
+        for p_index, profile in enumerate(self.profiles):
+            for r_index, ref in enumerate(profile.plugins):
+                if ref.ref not in names:
+                    raise ValueError(
+                        f"profiles.{p_index}.plugins.{r_index}.ref: unknown plugin {ref.ref!r}"
+                        f" (defined: {sorted(names)})"
+                    )
+        urls = [e.url for e in self.endpoints]
+        for index, url in enumerate(urls):
+            if url in urls[:index]:
+                raise ValueError(f"endpoints.{index}.url: duplicate endpoint {url!r}")
+        return self
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{key}: {message}" if key else message)
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: cannot set a key below non-mapping {part!r}")
+        node = child
+    node[path[-1]] = value
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """``LLM_GATEWAY_SERVER__PORT=9000`` → ``{"server": {"port": 9000}}``; values are YAML scalars.
+
+    Shortcuts: ``LLM_GATEWAY_PORT``, ``LLM_GATEWAY_HOST``, ``LLM_GATEWAY_POLICY``,
+    ``LLM_GATEWAY_ENDPOINTS`` (comma-separated URLs).
+    """
+    shortcuts = {"PORT": ["server", "port"], "HOST": ["server", "host"], "POLICY": ["policy"]}
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        suffix = key[len(ENV_PREFIX) :]
+        if suffix == "ENDPOINTS":
+            tree["endpoints"] = [{"url": u.strip()} for u in raw.split(",") if u.strip()]
+            continue
+        path = shortcuts.get(suffix) or [part.lower() for part in suffix.split("__")]
+        _set_path(tree, path, yaml.safe_load(raw) if raw else raw)
+    return tree
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> GatewayConfig:
+    """Build the config: file < environment < ``overrides`` (the CLI flags)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        raw = loaded
+    raw = _merge(raw, _env_overrides(dict(os.environ if environ is None else environ)))
+    raw = _merge(raw, overrides or {})
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

@@ -1,0 +1,78 @@
+"""The set of endpoints and a model → healthy-endpoints index, rebuilt only when health changes.
+
+The per-request path asks ``candidates(model)`` and gets a ready list, so request
+cost does not grow with the number of models or with health-check churn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gateway.config import EndpointConfig
+from gateway.types import Endpoint, EngineKind, Role
+
+__all__ = ["EndpointRegistry", "endpoint_from_config"]
+
+
+def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
+    return Endpoint(
+        url=cfg.url,
+        role=Role(cfg.role),
+        engine=EngineKind(cfg.engine),
+        configured_models=frozenset(cfg.models),
+        labels=dict(cfg.labels),
+        bootstrap_port=cfg.bootstrap_port,
+    )
+
+
+class EndpointRegistry:
+    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+        self._endpoints: dict[str, Endpoint] = {}
+        self._by_model: dict[str, list[Endpoint]] = {}
+        self._known_models: frozenset[str] = frozenset()
+        for endpoint in endpoints:
+            self._endpoints[endpoint.url] = endpoint
+        self.rebuild()
+
+    def __iter__(self):
+        return iter(list(self._endpoints.values()))
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def get(self, url: str) -> Endpoint | None:
+        return self._endpoints.get(url)
+
+    def add(self, endpoint: Endpoint) -> None:
+        self._endpoints[endpoint.url] = endpoint
+        self.rebuild()
+
+    def remove(self, url: str) -> Endpoint | None:
+        endpoint = self._endpoints.pop(url, None)
+        self.rebuild()
+        return endpoint
+
+    def rebuild(self) -> None:
+        """Recompute the model index; call after any health or model-list change."""
+        by_model: dict[str, list[Endpoint]] = {}
+        known: set[str] = set()
+        for endpoint in self._endpoints.values():
+            known.update(endpoint.models)
+            if endpoint.healthy:
+                for model in endpoint.models:
+                    by_model.setdefault(model, []).append(endpoint)
+        self._by_model = by_model
+        self._known_models = frozenset(known)
+
+    def candidates(self, model: str) -> list[Endpoint]:
+        """Healthy endpoints serving ``model`` (the list is shared: do not mutate)."""
+        return self._by_model.get(model, [])
+
+    def is_known_model(self, model: str) -> bool:
+        return model in self._known_models
+
+    def healthy_models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def any_healthy(self) -> bool:
+        return any(e.healthy for e in self._endpoints.values())

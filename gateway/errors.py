@@ -1,0 +1,141 @@
+"""One exception tree for the gateway, and the single mapping to HTTP status + OpenAI error body.
+
+Every stage raises a ``GatewayError`` subclass; the middleware turns it into
+``{"error": {"message", "type", "code", "param"}}`` with the right status. Nothing
+else in the code base decides status codes for gateway-made errors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+__all__ = [
+    "BadRequest",
+    "EndpointUnavailable",
+    "GatewayError",
+    "MethodNotAllowed",
+    "ModelNotFound",
+    "NoHealthyEndpoint",
+    "NotFound",
+    "PayloadTooLarge",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "error_body",
+    "error_response",
+]
+
+
+class GatewayError(Exception):
+    """Base of all errors the gateway answers itself."""
+
+    status: int = 500
+    error_type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+    def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
+        extra = dict(headers or {})
+        if self.retry_after is not None:
+            extra["Retry-After"] = str(max(1, round(self.retry_after)))
+        return error_response(
+            self.status, self.message, self.error_type, self.code, self.param, headers=extra
+        )
+
+
+class BadRequest(GatewayError):
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class NotFound(GatewayError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NoHealthyEndpoint(GatewayError):
+    """No endpoint can take the request right now; the client should retry later."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_endpoint"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **kwargs)
+
+
+class UpstreamError(GatewayError):
+    """The chosen replica failed before it sent anything we could pass on."""
+
+    status = 502
+    error_type = "upstream_error"
+    code = "bad_gateway"
+
+
+class EndpointUnavailable(UpstreamError):
+    """Connection-level failure: refused, reset, DNS. Safe to retry elsewhere."""
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    error_type = "timeout_error"
+    code = "upstream_timeout"
+
+
+def error_body(
+    message: str, error_type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    code: str | None = None,
+    param: str | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps(error_body(message, error_type, code, param)).encode(),
+        content_type="application/json",
+        headers=headers,
+    )

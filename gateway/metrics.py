@@ -1,0 +1,112 @@
+"""Every Prometheus metric the gateway exports, defined in one place.
+
+Metrics live in a per-app ``CollectorRegistry`` (not the process-global one) so that
+several gateways can run in one process (tests) without clashing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "llm_gateway_requests",
+            "Requests answered, by model, endpoint and HTTP status",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_gateway_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte sent to the client",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llm_gateway_request_duration_seconds",
+            "End-to-end request latency measured at the gateway",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "llm_gateway_endpoint_in_flight_requests",
+            "Requests the gateway has in flight to each endpoint",
+            ["endpoint"],
+            registry=r,
+        )
+        self.in_flight_tokens = Gauge(
+            "llm_gateway_endpoint_in_flight_prompt_tokens",
+            "Estimated prompt tokens the gateway has in flight to each endpoint",
+            ["endpoint"],
+            registry=r,
+        )
+        self.scheduling_latency = Histogram(
+            "llm_gateway_scheduling_duration_seconds",
+            "Time to run the scheduler for one request",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.plugin_latency = Histogram(
+            "llm_gateway_plugin_duration_seconds",
+            "Time spent in each scheduling plugin",
+            ["kind", "plugin"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.endpoint_healthy = Gauge(
+            "llm_gateway_endpoint_healthy", "1 if the endpoint passes health checks", ["endpoint"], registry=r
+        )
+        self.endpoint_waiting = Gauge(
+            "llm_gateway_endpoint_queue_depth",
+            "Waiting requests scraped from the engine",
+            ["endpoint"],
+            registry=r,
+        )
+        self.endpoint_running = Gauge(
+            "llm_gateway_endpoint_running_requests",
+            "Running requests scraped from the engine",
+            ["endpoint"],
+            registry=r,
+        )
+        self.endpoint_kv_usage = Gauge(
+            "llm_gateway_endpoint_kv_cache_utilization",
+            "KV-cache utilisation (0..1) scraped from the engine",
+            ["endpoint"],
+            registry=r,
+        )
+        self.endpoint_metrics_stale = Gauge(
+            "llm_gateway_endpoint_metrics_stale",
+            "1 if the endpoint's scraped metrics are stale and not trusted",
+            ["endpoint"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "llm_gateway_scrape_errors", "Failed metric scrapes", ["endpoint"], registry=r
+        )
+        self.retries = Counter(
+            "llm_gateway_retries",
+            "Requests re-sent to another endpoint before the first byte",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "llm_gateway_upstream_errors",
+            "Upstream failures by endpoint and kind",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "llm_gateway_client_disconnects",
+            "Requests whose client went away before the response ended",
+            registry=r,
+        )

@@ -1,0 +1,228 @@
+"""Sends a scheduled request upstream and streams the answer back, chunk by chunk.
+
+Rules (DESIGN.md, issue 2):
+- connect failure or 5xx *before the first byte* → re-send to the next-best endpoint
+  (never the same one), up to ``limits.retries`` times;
+- after the first byte the response is committed: an upstream failure ends the SSE
+  stream with an error event and ``data: [DONE]`` instead of hanging;
+- a client disconnect cancels the handler (``handler_cancellation``); ``finally``
+  closes the upstream connection, which makes the engine abort the request and free
+  its KV blocks, and releases every counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import LimitConfig, TimeoutConfig
+from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, error_body
+from gateway.metrics import GatewayMetrics
+from gateway.types import Endpoint, InferenceRequest, SchedulingResult
+
+__all__ = ["Proxy", "RequestHooks"]
+
+log = logging.getLogger(__name__)
+
+_SSE_DONE = b"data: [DONE]\n\n"
+_FORWARDED_RESPONSE_HEADERS = ("content-type",)
+
+
+class RequestHooks:
+    """Pre/post hooks around each upstream attempt (in-flight accounting, index updates).
+
+    ``on_send`` runs when a request is sent to an endpoint, ``on_done`` when that attempt
+    ends for any reason — including cancellation — with the usage payload when known.
+    """
+
+    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:  # pragma: no cover
+        pass
+
+    def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:  # pragma: no cover
+        pass
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, response: web.Response | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        timeouts: TimeoutConfig,
+        limits: LimitConfig,
+        metrics: GatewayMetrics,
+        hooks: RequestHooks,
+        on_connect_failure: Callable[[Endpoint], None] | None = None,
+    ) -> None:
+        self._session = session
+        self._timeouts = timeouts
+        self._limits = limits
+        self._metrics = metrics
+        self._hooks = hooks
+        self._on_connect_failure = on_connect_failure
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
+        )
+
+    async def forward(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        result: SchedulingResult,
+        extra_headers: dict[str, str],
+    ) -> web.StreamResponse:
+        ranked = [s.endpoint for s in result.ranked]
+        attempts = ranked[: 1 + self._limits.retries]
+        last_failure: _Retryable | None = None
+        started = time.monotonic()
+        async with asyncio.timeout(self._timeouts.total_s):
+            for index, endpoint in enumerate(attempts):
+                if index > 0:
+                    self._metrics.retries.labels(last_failure.reason if last_failure else "unknown").inc()
+                    log.info("request %s: retrying on %s", request.request_id, endpoint.name)
+                try:
+                    return await self._attempt(http_request, request, endpoint, extra_headers, started)
+                except _Retryable as failure:
+                    last_failure = failure
+        assert last_failure is not None
+        if last_failure.response is not None:
+            return last_failure.response  # the last upstream's own 5xx, passed through
+        raise EndpointUnavailable(
+            f"no endpoint could be reached for model {request.model!r} ({last_failure.reason})",
+            code="upstream_unavailable",
+        )
+
+    async def _attempt(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        endpoint: Endpoint,
+        extra_headers: dict[str, str],
+        started: float,
+    ) -> web.StreamResponse:
+        self._hooks.on_send(request, endpoint)
+        ok = False
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream = await self._open(request, endpoint)
+            headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
+            if upstream.status >= 500:
+                body = await upstream.read()
+                self._metrics.upstream_errors.labels(endpoint.name, f"http_{upstream.status}").inc()
+                response = web.Response(status=upstream.status, body=body, headers=headers)
+                response.content_type = upstream.content_type
+                raise _Retryable(f"http_{upstream.status}", response)
+            if request.stream and upstream.status == 200:
+                response, complete = await self._stream(http_request, request, upstream, headers, started)
+            else:
+                response, complete = await self._buffered(request, upstream, headers, started), True
+            ok = complete and upstream.status < 400
+            self._metrics.requests.labels(request.model, endpoint.name, str(response.status)).inc()
+            return response
+        finally:
+            if upstream is not None:
+                # Not a clean end (error, timeout, client gone): close the socket so the
+                # engine sees the disconnect and frees the request's KV cache.
+                if ok:
+                    upstream.release()
+                else:
+                    upstream.close()
+            self._hooks.on_done(request, endpoint, ok)
+
+    async def _open(self, request: InferenceRequest, endpoint: Endpoint) -> aiohttp.ClientResponse:
+        headers = {"content-type": "application/json", "x-request-id": request.request_id}
+        try:
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                return await self._session.post(
+                    endpoint.url + request.api.upstream_path,
+                    data=request.raw_body,
+                    headers=headers,
+                    timeout=self._client_timeout,
+                )
+        except TimeoutError:
+            self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
+            raise UpstreamTimeout(
+                f"endpoint {endpoint.name} did not answer within {self._timeouts.first_byte_s}s"
+            ) from None
+        except aiohttp.ClientConnectionError as exc:
+            self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
+            if self._on_connect_failure and isinstance(exc, aiohttp.ClientConnectorError):
+                self._on_connect_failure(endpoint)
+            raise _Retryable("connect") from exc
+
+    async def _buffered(
+        self,
+        request: InferenceRequest,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        started: float,
+    ) -> web.Response:
+        try:
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                body = await upstream.read()
+        except TimeoutError:
+            raise UpstreamTimeout("upstream response body timed out") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
+        response = web.Response(status=upstream.status, body=body, headers=headers)
+        response.content_type = upstream.content_type
+        if upstream.charset:
+            response.charset = upstream.charset
+        elapsed = time.monotonic() - started
+        self._metrics.ttft.labels(request.model).observe(elapsed)
+        self._metrics.e2e.labels(request.model).observe(elapsed)
+        return response
+
+    async def _stream(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        started: float,
+    ) -> tuple[web.StreamResponse, bool]:
+        """Pipe the SSE stream; returns the response and whether it ended cleanly."""
+        response = web.StreamResponse(status=200, headers=headers)
+        response.content_type = upstream.content_type or "text/event-stream"
+        response.headers["cache-control"] = "no-cache"
+        await response.prepare(http_request)
+        loop = asyncio.get_running_loop()
+        first = True
+        failure: str | None = None
+        content = upstream.content
+        try:
+            async with asyncio.timeout_at(loop.time() + self._timeouts.first_byte_s) as deadline:
+                while True:
+                    chunk = await content.readany()
+                    if not chunk:
+                        break
+                    await response.write(chunk)
+                    if first:
+                        first = False
+                        self._metrics.ttft.labels(request.model).observe(time.monotonic() - started)
+                    deadline.reschedule(loop.time() + self._timeouts.idle_s)
+        except TimeoutError:
+            failure = "upstream stalled: no data within the idle timeout"
+        except aiohttp.ClientPayloadError as exc:
+            failure = f"upstream stream broke: {exc}"
+        except aiohttp.ClientConnectionError as exc:
+            failure = f"upstream connection lost: {exc}"
+        if failure is not None:
+            log.warning("request %s: %s", request.request_id, failure)
+            self._metrics.upstream_errors.labels(headers["x-gateway-endpoint"], "mid_stream").inc()
+            event = error_body(failure, "upstream_error", "upstream_stream_error")
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n" + _SSE_DONE)
+        await response.write_eof()
+        self._metrics.e2e.labels(request.model).observe(time.monotonic() - started)
+        return response, failure is None

@@ -1,0 +1,113 @@
+"""Turns the config's plugin instances and profiles (or a named preset) into a Scheduler.
+
+Runs at start-up, so unknown plugin types, plugins used in the wrong place and bad
+parameters fail before the first request, with the config key in the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import ConfigError, GatewayConfig, PluginSpec, ProfilePluginRef, ProfileSpec
+from gateway.metrics import GatewayMetrics
+from gateway.scheduling.framework import PluginKind
+from gateway.scheduling.registry import PluginRegistry
+from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
+
+__all__ = ["DEFAULT_POLICY", "PRESETS", "build_scheduler", "preset"]
+
+_BASE_FILTERS = [PluginSpec(type="healthy"), PluginSpec(type="model")]
+
+
+def _profile(*plugins: tuple[str, float]) -> list[ProfileSpec]:
+    refs = [ProfilePluginRef(ref=name, weight=weight) for name, weight in plugins]
+    return [ProfileSpec(name="default", plugins=refs)]
+
+
+# Named presets: what `--policy NAME` means without a config file.
+PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
+    "round-robin": (
+        [*_BASE_FILTERS, PluginSpec(type="round-robin")],
+        _profile(("healthy", 1), ("model", 1), ("round-robin", 1)),
+    ),
+    "random": (
+        [*_BASE_FILTERS, PluginSpec(type="random")],
+        _profile(("healthy", 1), ("model", 1), ("random", 1)),
+    ),
+    "least-load": (
+        [
+            *_BASE_FILTERS,
+            PluginSpec(type="queue-depth"),
+            PluginSpec(type="kv-utilization"),
+            PluginSpec(type="in-flight"),
+            PluginSpec(type="max-score"),
+        ],
+        _profile(
+            ("healthy", 1),
+            ("model", 1),
+            ("queue-depth", 1),
+            ("kv-utilization", 1),
+            ("in-flight", 1),
+            ("max-score", 1),
+        ),
+    ),
+}
+DEFAULT_POLICY = "least-load"
+
+
+def preset(name: str) -> tuple[list[PluginSpec], list[ProfileSpec]]:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"policy: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})") from None
+
+
+def build_scheduler(config: GatewayConfig, registry: PluginRegistry, metrics: GatewayMetrics) -> Scheduler:
+    if config.plugins:
+        plugin_specs, profile_specs = config.plugins, config.profiles
+    else:
+        plugin_specs, profile_specs = preset(config.policy or DEFAULT_POLICY)
+
+    instances: dict[str, tuple[PluginKind, Any]] = {}
+    for index, spec in enumerate(plugin_specs):
+        try:
+            plugin_type = registry.get(spec.type)
+        except KeyError as exc:
+            raise ConfigError(f"plugins.{index}.type: {exc.args[0]}") from None
+        try:
+            instance = plugin_type.factory(spec.instance_name, spec.parameters)
+        except ValueError as exc:
+            raise ConfigError(f"plugins.{index}.{exc}") from None
+        instances[spec.instance_name] = (plugin_type.kind, instance)
+
+    handlers = [inst for kind, inst in instances.values() if kind is PluginKind.PROFILE_HANDLER]
+    if len(handlers) > 1:
+        raise ConfigError("plugins: at most one profile handler may be configured")
+    if handlers:
+        handler = handlers[0]
+    else:
+        handler = registry.get("single").factory("single", {})
+
+    profiles: dict[str, Profile] = {}
+    for p_index, spec in enumerate(profile_specs):
+        filters, scorers, pickers = [], [], []
+        for r_index, ref in enumerate(spec.plugins):
+            kind, instance = instances[ref.ref]
+            if kind is PluginKind.FILTER:
+                filters.append(instance)
+            elif kind is PluginKind.SCORER:
+                scorers.append(WeightedScorer(instance, ref.weight))
+            elif kind is PluginKind.PICKER:
+                pickers.append(instance)
+            else:
+                raise ConfigError(
+                    f"profiles.{p_index}.plugins.{r_index}.ref: {ref.ref!r} is a {kind.value},"
+                    " which belongs in plugins, not in a profile"
+                )
+        if len(pickers) > 1:
+            raise ConfigError(f"profiles.{p_index}.plugins: a profile takes one picker, got {len(pickers)}")
+        picker = pickers[0] if pickers else registry.get("max-score").factory("max-score", {})
+        if spec.name in profiles:
+            raise ConfigError(f"profiles.{p_index}.name: duplicate profile {spec.name!r}")
+        profiles[spec.name] = Profile(spec.name, tuple(filters), tuple(scorers), picker)
+    return Scheduler(profiles, handler, metrics)

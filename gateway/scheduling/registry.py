@@ -1,0 +1,69 @@
+"""Registry of plugin *types*: type name → (kind, factory). Config instances are built from it.
+
+Built-in plugins register themselves from :mod:`policies`; third-party packages add
+theirs through the ``llm_gateway.plugins`` entry-point group, whose entry points are
+callables ``register(registry: PluginRegistry) -> None``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from gateway.scheduling.framework import PluginKind
+
+__all__ = ["ENTRY_POINT_GROUP", "PluginFactory", "PluginRegistry", "PluginType", "default_registry"]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "llm_gateway.plugins"
+
+# A factory takes the instance name and its parameters and returns the plugin.
+PluginFactory = Callable[[str, Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PluginType:
+    type_name: str
+    kind: PluginKind
+    factory: PluginFactory
+
+
+class PluginRegistry:
+    def __init__(self) -> None:
+        self._types: dict[str, PluginType] = {}
+
+    def register(self, type_name: str, kind: PluginKind, factory: PluginFactory) -> None:
+        if type_name in self._types:
+            raise ValueError(f"plugin type {type_name!r} is already registered")
+        self._types[type_name] = PluginType(type_name, kind, factory)
+
+    def get(self, type_name: str) -> PluginType:
+        try:
+            return self._types[type_name]
+        except KeyError:
+            raise KeyError(
+                f"unknown plugin type {type_name!r} (known: {', '.join(sorted(self._types))})"
+            ) from None
+
+    def __contains__(self, type_name: object) -> bool:
+        return type_name in self._types
+
+    def type_names(self) -> list[str]:
+        return sorted(self._types)
+
+
+def default_registry(load_entry_points: bool = True) -> PluginRegistry:
+    """Built-in plugins plus any installed third-party plugin packages."""
+    from policies import register_builtin_plugins
+
+    registry = PluginRegistry()
+    register_builtin_plugins(registry)
+    if load_entry_points:
+        for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+            log.info("loading plugins from %s", entry_point.value)
+            entry_point.load()(registry)
+    return registry

@@ -1,0 +1,117 @@
+"""Runs scheduling profiles for a request: filters → weighted scorers → picker, per profile."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.errors import NoHealthyEndpoint
+from gateway.metrics import GatewayMetrics
+from gateway.scheduling.framework import (
+    Filter,
+    Picker,
+    PluginKind,
+    PreparingPlugin,
+    ProfileHandler,
+    Scorer,
+)
+from gateway.types import Endpoint, InferenceRequest, SchedulingResult, ScoredEndpoint
+
+__all__ = ["Profile", "Scheduler", "WeightedScorer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    filters: tuple[Filter, ...]
+    scorers: tuple[WeightedScorer, ...]
+    picker: Picker
+
+
+class Scheduler:
+    """Stateless runner over immutable profiles; plugins keep their own (bounded) state."""
+
+    def __init__(
+        self,
+        profiles: dict[str, Profile],
+        handler: ProfileHandler,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.profiles = profiles
+        self.handler = handler
+        self._metrics = metrics
+        self._profile_names = tuple(profiles)
+        self._plugin_timer = {}  # (kind, name) → histogram child, resolved once
+        self._preparers = [
+            ws.scorer
+            for profile in profiles.values()
+            for ws in profile.scorers
+            if isinstance(ws.scorer, PreparingPlugin)
+        ]
+
+    def _timer(self, kind: PluginKind, name: str):
+        key = (kind, name)
+        child = self._plugin_timer.get(key)
+        if child is None:
+            child = self._metrics.plugin_latency.labels(kind.value, name)
+            self._plugin_timer[key] = child
+        return child
+
+    async def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
+        started = time.perf_counter()
+        for plugin in self._preparers:
+            await plugin.prepare(request, endpoints)
+        results: dict[str, list[ScoredEndpoint]] = {}
+        while True:
+            to_run = self.handler.pick_profiles(request, self._profile_names, results)
+            if not to_run:
+                break
+            for name in to_run:
+                results[name] = self._run_profile(self.profiles[name], request, endpoints)
+        primary = self.handler.primary_profile(request, results)
+        self._metrics.scheduling_latency.observe(time.perf_counter() - started)
+        result = SchedulingResult(results, primary)
+        if request.debug or log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s model=%s scores: %s", request.request_id, request.model, result.explain())
+        return result
+
+    def _run_profile(
+        self, profile: Profile, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> list[ScoredEndpoint]:
+        candidates: list[Endpoint] = list(endpoints)
+        for flt in profile.filters:
+            t0 = time.perf_counter()
+            candidates = flt.filter(request, candidates)
+            self._timer(PluginKind.FILTER, flt.name).observe(time.perf_counter() - t0)
+            if not candidates:
+                raise NoHealthyEndpoint(
+                    f"no endpoint can serve model {request.model!r}: all candidates removed by"
+                    f" filter {flt.name!r} in profile {profile.name!r}"
+                )
+        totals = {endpoint: 0.0 for endpoint in candidates}
+        per_plugin: dict[Endpoint, dict[str, float]] = {endpoint: {} for endpoint in candidates}
+        for weighted in profile.scorers:
+            scorer = weighted.scorer
+            t0 = time.perf_counter()
+            raw = scorer.score(request, candidates)
+            self._timer(PluginKind.SCORER, scorer.name).observe(time.perf_counter() - t0)
+            for endpoint in candidates:
+                value = raw.get(endpoint, 0.0)
+                value = 0.0 if value != value else min(1.0, max(0.0, value))  # NaN → 0, clamp
+                per_plugin[endpoint][scorer.name] = value
+                totals[endpoint] += weighted.weight * value
+        scored = [ScoredEndpoint(e, totals[e], per_plugin[e]) for e in candidates]
+        t0 = time.perf_counter()
+        ranked = profile.picker.pick(request, scored)
+        self._timer(PluginKind.PICKER, profile.picker.name).observe(time.perf_counter() - t0)
+        return ranked

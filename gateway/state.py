@@ -1,0 +1,27 @@
+"""The objects one gateway app wires together, reachable from handlers through one AppKey."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.endpoints.registry import EndpointRegistry
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.scheduling.scheduler import Scheduler
+
+__all__ = ["STATE", "GatewayState"]
+
+
+@dataclass(slots=True)
+class GatewayState:
+    config: GatewayConfig
+    registry: EndpointRegistry
+    metrics: GatewayMetrics
+    scheduler: Scheduler
+    proxy: Proxy | None = None  # set once the client session exists (app startup)
+
+
+STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

@@ -1,0 +1,154 @@
+"""Core value types shared by every stage: endpoints, their load, requests, scheduling results."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "ApiKind",
+    "Endpoint",
+    "EndpointMetrics",
+    "EngineKind",
+    "InferenceRequest",
+    "Role",
+    "SchedulingResult",
+    "ScoredEndpoint",
+]
+
+
+class Role(StrEnum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class ApiKind(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+    @property
+    def upstream_path(self) -> str:
+        return _UPSTREAM_PATHS[self]
+
+
+_UPSTREAM_PATHS = {
+    ApiKind.CHAT: "/v1/chat/completions",
+    ApiKind.COMPLETIONS: "/v1/completions",
+    ApiKind.EMBEDDINGS: "/v1/embeddings",
+}
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """Load read from the engine's own /metrics. ``None`` means "not reported"."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    scraped_at: float = 0.0  # monotonic time of the last successful scrape
+    stale: bool = True
+
+    def fresh(self) -> bool:
+        return not self.stale and self.scraped_at > 0
+
+
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    """One model-server replica and everything the gateway knows about it right now.
+
+    Identity is the object itself (``eq=False``): scorers key their results by it.
+    The in-flight counters are the gateway's own, updated instantly, because the
+    scraped metrics lag by a scrape interval.
+    """
+
+    url: str
+    role: Role = Role.BOTH
+    engine: EngineKind = EngineKind.VLLM
+    configured_models: frozenset[str] = frozenset()
+    labels: dict[str, str] = field(default_factory=dict)
+    bootstrap_port: int | None = None
+    # Runtime state.
+    discovered_models: frozenset[str] = frozenset()
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        """Short label for metrics and headers: host:port."""
+        return self.url.split("://", 1)[-1].rstrip("/")
+
+    @property
+    def models(self) -> frozenset[str]:
+        return self.configured_models or self.discovered_models
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.name}, role={self.role}, healthy={self.healthy})"
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """An OpenAI request parsed once; every later stage reads this, never the body again."""
+
+    request_id: str
+    api: ApiKind
+    model: str
+    body: dict[str, Any]
+    raw_body: bytes
+    stream: bool
+    prompt_text: str
+    est_prompt_tokens: int
+    session_id: str | None = None
+    priority: str = "standard"
+    debug: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # Filled lazily by plugins that need them (e.g. prefix hashes) and shared across profiles.
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        parts = ",".join(f"{name}={value:.3f}" for name, value in self.scores.items())
+        return f"{self.endpoint.name}={self.score:.3f}({parts})"
+
+
+@dataclass(slots=True)
+class SchedulingResult:
+    """Per-profile ranked candidates; ``primary_profile`` names the one the proxy sends to."""
+
+    profile_results: dict[str, list[ScoredEndpoint]]
+    primary_profile: str
+
+    @property
+    def ranked(self) -> list[ScoredEndpoint]:
+        return self.profile_results[self.primary_profile]
+
+    def explain(self) -> str:
+        return " | ".join(
+            f"{profile}: " + "; ".join(s.explain() for s in ranked)
+            for profile, ranked in self.profile_results.items()
+        )

@@ -1,0 +1,506 @@
+"""Load runner: drives a :class:`~loadtest.workloads.Workload` against a target.
+
+Design notes (why it looks like this):
+
+* One shared ``aiohttp.ClientSession`` whose connector limit equals the number
+  of requests allowed in flight, so the client never hides a queue of its own
+  in front of the target (that would bias latencies: coordinated omission).
+* Everything is a *session chain*: a chain sends its first item, then follows
+  ``workload.next_turn`` until it returns ``None``.  Single-shot workloads are
+  chains of length one; multi-turn users are sequential by construction.
+* Open-loop starts chains at seeded Poisson times (``rate=inf`` starts all at
+  once); closed-loop keeps ``concurrency`` chains busy.  Both are bounded by
+  ``max_requests`` and an overall ``deadline_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.workloads import WorkItem, Workload
+
+__all__ = [
+    "ENDPOINT_HEADER",
+    "BenchResult",
+    "DirectRoundRobinTarget",
+    "GatewayTarget",
+    "ReplicaStats",
+    "RequestRecord",
+    "Target",
+    "fetch_metrics",
+    "run_benchmark",
+]
+
+ENDPOINT_HEADER = "x-gateway-endpoint"
+_HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+_QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_SUCCESS_NAMES = ("vllm:request_success_total",)
+_ERROR_TEXT_LIMIT = 500
+
+
+def _normalize(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class Target(Protocol):
+    """Where requests go; ``base_url_for`` may rotate (client-side balancing)."""
+
+    label: str
+    replica_urls: list[str]
+
+    def base_url_for(self, item: WorkItem) -> str: ...
+
+
+class GatewayTarget:
+    """A single base URL: the gateway, a peer router, or one replica."""
+
+    def __init__(self, base_url: str, label: str | None = None) -> None:
+        self.base_url = _normalize(base_url)
+        self.label = label or f"gateway {self.base_url}"
+        self.replica_urls: list[str] = []
+
+    def base_url_for(self, item: WorkItem) -> str:
+        return self.base_url
+
+
+class DirectRoundRobinTarget:
+    """Baseline: the client spreads requests round-robin over replicas, no proxy."""
+
+    def __init__(self, urls: list[str], label: str | None = None) -> None:
+        if not urls:
+            raise ValueError("DirectRoundRobinTarget needs at least one URL")
+        self.replica_urls = [_normalize(u) for u in urls]
+        self.label = label or f"direct-rr x{len(self.replica_urls)}"
+        self._cycle = itertools.cycle(self.replica_urls)
+
+    def base_url_for(self, item: WorkItem) -> str:
+        return next(self._cycle)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Client-side measurements of one request; times in seconds."""
+
+    index: int
+    start: float  # relative to benchmark start
+    kind: str
+    session_id: str | None = None
+    group: int | None = None
+    turn: int = 0
+    priority: str | None = None
+    status: int = 0  # HTTP status, 0 when no response arrived
+    error: str | None = None
+    endpoint: str | None = None
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    answer_chars: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """Replica-side counter deltas over the run (from ``/metrics``)."""
+
+    url: str
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    requests: float = 0.0
+    error: str | None = None
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries > 0 else None
+
+
+@dataclass
+class BenchResult:
+    """Everything a report needs; round-trips through JSON."""
+
+    name: str
+    workload: str
+    workload_params: dict[str, Any]
+    target: str
+    mode: str  # "open" | "closed"
+    rate: float | None
+    concurrency: int | None
+    started_at: float
+    duration_s: float
+    records: list[RequestRecord]
+    replica_stats: list[ReplicaStats] = field(default_factory=list)
+    stopped_by: str = "completed"  # "completed" | "max_requests" | "deadline"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["rate"] is not None and math.isinf(data["rate"]):
+            data["rate"] = "inf"
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        data = dict(data)
+        data.pop("summary", None)
+        if data.get("rate") == "inf":
+            data["rate"] = math.inf
+        data["records"] = [RequestRecord(**r) for r in data.get("records", [])]
+        data["replica_stats"] = [ReplicaStats(**r) for r in data.get("replica_stats", [])]
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def _sum_samples(text: str, names: tuple[str, ...]) -> float:
+    total = {n: 0.0 for n in names}
+    seen = dict.fromkeys(names, False)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in total:
+                total[sample.name] += sample.value
+                seen[sample.name] = True
+    for n in names:  # first known name wins: newer vLLM names before legacy ones
+        if seen[n]:
+            return total[n]
+    return 0.0
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Scrape one replica's prefix-cache and request counters."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with session.get(f"{_normalize(url)}/metrics", timeout=timeout) as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    return {
+        "hits": _sum_samples(text, _HIT_NAMES),
+        "queries": _sum_samples(text, _QUERY_NAMES),
+        "requests": _sum_samples(text, _SUCCESS_NAMES),
+    }
+
+
+async def _snapshot(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float] | str]:
+    async def one(url: str) -> dict[str, float] | str:
+        try:
+            return await fetch_metrics(session, url)
+        except Exception as exc:  # a missing /metrics must not fail the benchmark
+            return f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_LIMIT]
+
+    values = await asyncio.gather(*(one(u) for u in urls))
+    return dict(zip(urls, values, strict=True))
+
+
+def _replica_deltas(before: dict[str, Any], after: dict[str, Any]) -> list[ReplicaStats]:
+    stats: list[ReplicaStats] = []
+    for url, b in before.items():
+        a = after.get(url)
+        if isinstance(b, str) or isinstance(a, str) or a is None:
+            stats.append(ReplicaStats(url, error=b if isinstance(b, str) else str(a)))
+            continue
+        stats.append(
+            ReplicaStats(
+                url,
+                prefix_queries=a["queries"] - b["queries"],
+                prefix_hits=a["hits"] - b["hits"],
+                requests=a["requests"] - b["requests"],
+            )
+        )
+    return stats
+
+
+# --------------------------------------------------------------------------- one request
+
+
+def _chunk_text(kind: str, chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if kind == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _send(
+    session: aiohttp.ClientSession, base_url: str, item: WorkItem, rec: RequestRecord, t0: float
+) -> str:
+    """Stream one request into ``rec``; return the generated text (for next turns)."""
+    parts: list[str] = []
+    sent = time.perf_counter()
+    rec.start = sent - t0
+    rec.endpoint = base_url
+    last_token: float | None = None
+    content_chunks = 0
+    try:
+        async with session.post(base_url + item.path, json=item.body, headers=item.headers) as resp:
+            rec.status = resp.status
+            rec.endpoint = resp.headers.get(ENDPOINT_HEADER, base_url)
+            if resp.status != 200:
+                rec.error = (await resp.text())[:_ERROR_TEXT_LIMIT] or resp.reason or "http error"
+                return ""
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk and not chunk.get("choices"):
+                    rec.error = json.dumps(chunk["error"])[:_ERROR_TEXT_LIMIT]
+                    break
+                text = _chunk_text(item.kind, chunk)
+                if text:
+                    now = time.perf_counter()
+                    if last_token is None:
+                        rec.ttft = now - sent
+                    else:
+                        rec.itls.append(now - last_token)
+                    last_token = now
+                    content_chunks += 1
+                    parts.append(text)
+                usage = chunk.get("usage")
+                if usage:
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
+    except asyncio.CancelledError:
+        rec.error = rec.error or "cancelled (deadline)"
+        raise
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_LIMIT]
+    finally:
+        rec.e2e = time.perf_counter() - sent
+        if not rec.completion_tokens:
+            rec.completion_tokens = content_chunks
+    answer = "".join(parts)
+    rec.answer_chars = len(answer)
+    return answer
+
+
+# --------------------------------------------------------------------------- driver
+
+
+class _Budget:
+    """Shared request budget: ``take`` fails once max_requests or the deadline is hit."""
+
+    def __init__(self, max_requests: int, deadline: float) -> None:
+        self.left = max_requests
+        self.deadline = deadline
+        self.stopped_by = "completed"
+
+    def exhausted(self) -> bool:
+        if time.perf_counter() >= self.deadline:
+            self.stopped_by = "deadline"
+            return True
+        if self.left <= 0:
+            self.stopped_by = "max_requests"
+            return True
+        return False
+
+    def take(self) -> bool:
+        if self.exhausted():
+            return False
+        self.left -= 1
+        return True
+
+
+class _Run:
+    def __init__(
+        self,
+        workload: Workload,
+        target: Target,
+        session: aiohttp.ClientSession,
+        budget: _Budget,
+        on_done: Any,
+    ) -> None:
+        self.workload = workload
+        self.target = target
+        self.session = session
+        self.budget = budget
+        self.on_done = on_done
+        self.records: list[RequestRecord] = []
+        self.t0 = time.perf_counter()
+
+    async def chain(self, first: WorkItem) -> None:
+        item: WorkItem | None = first
+        while item is not None and self.budget.take():
+            rec = RequestRecord(
+                index=len(self.records),
+                start=0.0,
+                kind=item.kind,
+                session_id=item.session_id,
+                group=item.group,
+                turn=item.turn,
+                priority=item.priority,
+            )
+            self.records.append(rec)
+            try:
+                answer = await _send(self.session, self.target.base_url_for(item), item, rec, self.t0)
+            finally:
+                self.on_done()
+            item = self.workload.next_turn(item, answer) if rec.ok else None
+
+    async def closed_loop(self, items: Iterator[WorkItem], concurrency: int) -> None:
+        async def worker() -> None:
+            for first in items:  # shared iterator: each first item goes to one worker
+                if self.budget.exhausted():
+                    return
+                await self.chain(first)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    async def open_loop(
+        self, items: Iterator[WorkItem], rate: float, cap: int | None, rng: random.Random
+    ) -> None:
+        sem = asyncio.Semaphore(cap) if cap else None
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def capped(first: WorkItem) -> None:
+            async with sem if sem is not None else nullcontext():
+                await self.chain(first)
+
+        next_at = time.perf_counter()
+        try:
+            for first in items:
+                if self.budget.exhausted():
+                    break
+                if math.isfinite(rate):
+                    next_at += rng.expovariate(rate)
+                    delay = min(next_at, self.budget.deadline) - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                task = asyncio.create_task(capped(first))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:  # on deadline: cancel in-flight chains and let them record why
+            pending = list(tasks)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=False,
+    )
+
+
+async def run_benchmark(
+    workload: Workload,
+    target: Target,
+    *,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    max_requests: int,
+    deadline_s: float,
+    replica_urls: list[str] | None = None,
+    progress: bool = True,
+    name: str | None = None,
+    seed: int | None = None,
+    connection_limit: int | None = None,
+) -> BenchResult:
+    """Run ``workload`` against ``target`` and collect per-request records.
+
+    ``rate`` (req/s, ``math.inf`` = all at once) selects open-loop Poisson
+    arrivals of new sessions, optionally capped at ``concurrency`` sessions in
+    flight; ``concurrency`` alone selects closed-loop.  ``replica_urls``
+    defaults to the target's replicas and enables ``/metrics`` deltas.
+    """
+    if rate is None and concurrency is None:
+        raise ValueError("give rate (open-loop) and/or concurrency (closed-loop)")
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate!r}")
+    if concurrency is not None and concurrency <= 0:
+        raise ValueError(f"concurrency must be > 0, got {concurrency!r}")
+    if max_requests <= 0 or deadline_s <= 0:
+        raise ValueError("max_requests and deadline_s must be > 0")
+
+    scrape = list(replica_urls if replica_urls is not None else target.replica_urls)
+    total = min(max_requests, workload.total_requests)
+    # Never queue inside the client: allow as many connections as requests may be in flight.
+    limit = connection_limit if connection_limit is not None else (concurrency or 0)
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    started_at = time.time()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        before = await _snapshot(session, scrape) if scrape else {}
+        with _progress(progress) as bar:
+            task_id = bar.add_task(name or target.label, total=total) if bar is not None else None
+
+            def on_done() -> None:
+                if bar is not None and task_id is not None:
+                    bar.advance(task_id)
+
+            t0 = time.perf_counter()
+            budget = _Budget(max_requests, t0 + deadline_s)
+            run = _Run(workload, target, session, budget, on_done)
+            run.t0 = t0
+            items = workload.items()
+            if rate is not None:
+                arrivals = random.Random(f"{workload.seed if seed is None else seed}/arrivals")
+                coro = run.open_loop(items, rate, concurrency, arrivals)
+            else:
+                assert concurrency is not None
+                coro = run.closed_loop(items, concurrency)
+            try:
+                await asyncio.wait_for(coro, timeout=deadline_s)
+            except TimeoutError:
+                budget.stopped_by = "deadline"
+            duration = time.perf_counter() - t0
+        after = await _snapshot(session, scrape) if scrape else {}
+
+    return BenchResult(
+        name=name or f"{workload.name} @ {target.label}",
+        workload=workload.name,
+        workload_params=workload.params(),
+        target=target.label,
+        mode="open" if rate is not None else "closed",
+        rate=rate,
+        concurrency=concurrency,
+        started_at=started_at,
+        duration_s=duration,
+        records=run.records,
+        replica_stats=_replica_deltas(before, after),
+        stopped_by=budget.stopped_by,
+    )

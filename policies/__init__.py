@@ -1,0 +1,27 @@
+"""In-tree routing plugins, one small module each, registered by type name."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from gateway.scheduling.framework import PluginKind
+from gateway.scheduling.registry import PluginRegistry
+from policies.filters import healthy, model, role
+from policies.pickers import max_score, random_pick, round_robin
+from policies.profiles import single
+from policies.scorers import in_flight, kv_utilization, queue_depth
+
+__all__ = ["BUILTIN_PLUGINS", "register_builtin_plugins"]
+
+BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
+    PluginKind.FILTER: (healthy, model, role),
+    PluginKind.SCORER: (queue_depth, kv_utilization, in_flight),
+    PluginKind.PICKER: (max_score, random_pick, round_robin),
+    PluginKind.PROFILE_HANDLER: (single,),
+}
+
+
+def register_builtin_plugins(registry: PluginRegistry) -> None:
+    for kind, modules in BUILTIN_PLUGINS.items():
+        for module in modules:
+            registry.register(module.TYPE_NAME, kind, module.create)

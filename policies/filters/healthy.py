@@ -1,0 +1,24 @@
+"""Filter ``healthy``: only endpoints passing their health checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.types import Endpoint, InferenceRequest
+from policies.params import Params
+
+TYPE_NAME = "healthy"
+
+
+class HealthyFilter:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def filter(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        return [e for e in candidates if e.healthy]
+
+
+def create(name: str, parameters: Mapping[str, Any]) -> HealthyFilter:
+    Params(parameters).done()
+    return HealthyFilter(name)

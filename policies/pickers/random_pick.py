@@ -1,0 +1,30 @@
+"""Picker ``random``: uniform random order, ignoring scores (a baseline)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.types import InferenceRequest, ScoredEndpoint
+from policies.params import Params
+
+TYPE_NAME = "random"
+
+
+class RandomPicker:
+    def __init__(self, name: str, rng: random.Random) -> None:
+        self.name = name
+        self._rng = rng
+
+    def pick(self, request: InferenceRequest, scored: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
+        ranked = list(scored)
+        self._rng.shuffle(ranked)
+        return ranked
+
+
+def create(name: str, parameters: Mapping[str, Any]) -> RandomPicker:
+    params = Params(parameters)
+    seed = params.integer("seed", None)
+    params.done()
+    return RandomPicker(name, random.Random(seed))

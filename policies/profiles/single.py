@@ -1,0 +1,37 @@
+"""Profile handler ``single``: run one profile (the first configured) and send with it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.types import InferenceRequest, ScoredEndpoint
+from policies.params import Params
+
+TYPE_NAME = "single"
+
+
+class SingleProfileHandler:
+    def __init__(self, name: str, profile: str | None) -> None:
+        self.name = name
+        self.profile = profile
+
+    def pick_profiles(
+        self,
+        request: InferenceRequest,
+        profiles: Sequence[str],
+        results: dict[str, list[ScoredEndpoint]],
+    ) -> list[str]:
+        if results:
+            return []
+        return [self.profile or profiles[0]]
+
+    def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
+        return next(iter(results))
+
+
+def create(name: str, parameters: Mapping[str, Any]) -> SingleProfileHandler:
+    params = Params(parameters)
+    profile = params.optional_string("profile")
+    params.done()
+    return SingleProfileHandler(name, profile)
