@@ -1,0 +1,361 @@
+"""Launch the peer routers (``sglang-router`` and ``vllm-router`` from PyPI) for benchmarks.
+
+The peers live in their own virtual environment (``.venv-peers`` at the repository root,
+created with ``python3 -m venv .venv-peers && .venv-peers/bin/pip install sglang-router
+vllm-router``) so that their dependency pins never touch the gateway's environment. When
+that venv is absent, the interpreter named by ``LLM_GATEWAY_PEERS_PYTHON`` is used.
+
+Both routers are Rust binaries wrapped by a Python launcher (one process, no children).
+At start-up they try to fetch a tokenizer from a model hub; :func:`offline_env` points
+every hub and proxy variable at a dead loopback port so nothing leaves the machine, while
+``NO_PROXY`` keeps the traffic to ``127.0.0.1`` workers direct (without it, both routers
+send worker health checks to the proxy and never see a healthy worker).
+
+Readiness: both answer ``GET /health`` as soon as the HTTP server is up, but sglang-router
+registers workers in the background, so :func:`start_peer` polls ``GET /readiness`` until
+it reports ``healthy_workers`` equal to the number of workers given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+__all__ = [
+    "PEERS_PYTHON_ENV",
+    "PEER_ROUTERS",
+    "PeerProcess",
+    "PeerSpec",
+    "PeerStartError",
+    "offline_env",
+    "peer_available",
+    "peers_python",
+    "start_peer",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEERS_VENV = REPO_ROOT / ".venv-peers"
+PEERS_PYTHON_ENV = "LLM_GATEWAY_PEERS_PYTHON"
+
+#: A loopback port nothing listens on: hub and proxy traffic sent there fails at once.
+_DEAD_ENDPOINT = "http://127.0.0.1:9"
+
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_ENDPOINT": _DEAD_ENDPOINT,
+    "HTTP_PROXY": _DEAD_ENDPOINT,
+    "HTTPS_PROXY": _DEAD_ENDPOINT,
+    "ALL_PROXY": _DEAD_ENDPOINT,
+    "http_proxy": _DEAD_ENDPOINT,
+    "https_proxy": _DEAD_ENDPOINT,
+    "all_proxy": _DEAD_ENDPOINT,
+    # Required: without it the routers proxy their worker traffic too and never get ready.
+    "NO_PROXY": "127.0.0.1,localhost,::1",
+    "no_proxy": "127.0.0.1,localhost,::1",
+}
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """How to launch one peer router.
+
+    ``args`` is a template: ``{host}``, ``{port}``, ``{policy}`` and ``{metrics_port}`` are
+    substituted, and ``--worker-urls URL...`` plus caller extras are appended after it.
+    """
+
+    name: str
+    module: str
+    distribution: str
+    args: tuple[str, ...]
+    policies: tuple[str, ...]
+    ready_path: str = "/readiness"
+
+    def command(
+        self,
+        python: str,
+        *,
+        host: str,
+        port: int,
+        metrics_port: int,
+        worker_urls: Sequence[str],
+        policy: str,
+        extra_args: Sequence[str] = (),
+    ) -> list[str]:
+        """Return the full argv that launches this router."""
+        fields = {"host": host, "port": port, "policy": policy, "metrics_port": metrics_port}
+        argv = [python, "-m", self.module, *(a.format(**fields) for a in self.args)]
+        argv += ["--worker-urls", *worker_urls, *extra_args]
+        return argv
+
+
+_COMMON_ARGS: tuple[str, ...] = (
+    "--host", "{host}",
+    "--port", "{port}",
+    "--policy", "{policy}",
+    # Both default to a fixed Prometheus port (29000; sglang binds it on 0.0.0.0):
+    # keep it on loopback and on a free port so that several routers can run at once.
+    "--prometheus-host", "127.0.0.1",
+    "--prometheus-port", "{metrics_port}",
+)  # fmt: skip
+
+PEER_ROUTERS: dict[str, PeerSpec] = {
+    "sglang-router": PeerSpec(
+        name="sglang-router",
+        module="sglang_router.launch_router",
+        distribution="sglang-router",
+        args=(
+            *_COMMON_ARGS,
+            # At "info" sglang-router logs two lines per request: that costs throughput.
+            "--log-level",
+            "warn",
+            # Default is 180 s: SIGTERM would otherwise wait that long for in-flight requests.
+            "--shutdown-grace-period-secs",
+            "2",
+        ),
+        policies=("random", "round_robin", "cache_aware", "power_of_two", "manual"),
+    ),
+    "vllm-router": PeerSpec(
+        name="vllm-router",
+        module="vllm_router.launch_router",
+        distribution="vllm-router",
+        args=(
+            *_COMMON_ARGS,
+            "--log-level",
+            "warning",
+            # It blocks until every worker is healthy and re-checks only every 30 s by default.
+            "--worker-startup-check-interval",
+            "1",
+        ),
+        policies=(
+            "random",
+            "round_robin",
+            "cache_aware",
+            "kv_aware",
+            "power_of_two",
+            "consistent_hash",
+            "sticky_least_loaded",
+        ),
+    ),
+}
+
+
+class PeerStartError(RuntimeError):
+    """A peer router exited or did not become ready in time."""
+
+
+def peers_python() -> str | None:
+    """Return the interpreter that has the peer routers installed, or ``None``.
+
+    ``.venv-peers/bin/python`` at the repository root wins; otherwise the path in
+    ``LLM_GATEWAY_PEERS_PYTHON`` (an absolute path or a name found on ``PATH``).
+    """
+    venv_python = PEERS_VENV / "bin" / "python"
+    if venv_python.exists():
+        return str(venv_python)
+    configured = os.environ.get(PEERS_PYTHON_ENV)
+    if configured:
+        return shutil.which(configured) or (configured if Path(configured).exists() else None)
+    return None
+
+
+def offline_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Return ``base`` (default ``os.environ``) with the offline/loopback-only settings on top."""
+    env = dict(os.environ if base is None else base)
+    env.update(OFFLINE_ENV)
+    return env
+
+
+_AVAILABLE: dict[tuple[str, str], bool] = {}
+
+
+def peer_available(name: str) -> bool:
+    """Whether peer ``name`` can be launched: a peers interpreter exists and imports its module."""
+    spec = PEER_ROUTERS.get(name)
+    python = peers_python()
+    if spec is None or python is None:
+        return False
+    key = (name, python)
+    if key not in _AVAILABLE:
+        import subprocess
+
+        package = spec.module.split(".", 1)[0]
+        try:
+            proc = subprocess.run(
+                [
+                    python,
+                    "-c",
+                    f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)",
+                ],
+                env=offline_env(),
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+            _AVAILABLE[key] = proc.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            _AVAILABLE[key] = False
+    return _AVAILABLE[key]
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class PeerProcess:
+    """A running peer router started by :func:`start_peer`."""
+
+    name: str
+    pid: int
+    url: str
+    metrics_port: int
+    argv: list[str]
+    log_path: Path
+    startup_s: float = 0.0
+    _proc: asyncio.subprocess.Process | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        """True while the router process has not exited."""
+        return self._proc is not None and self._proc.returncode is None
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """Return the end of the router's combined stdout/stderr log."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-max_chars:].decode(errors="replace")
+
+    async def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM the router by PID, SIGKILL it after ``grace_s``; return its exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        return proc.returncode
+
+    async def __aenter__(self) -> PeerProcess:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def _ready(session: aiohttp.ClientSession, url: str, n_workers: int) -> bool:
+    try:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                return False
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return False
+    healthy = body.get("healthy_workers") if isinstance(body, dict) else None
+    return healthy is None or int(healthy) >= n_workers
+
+
+async def start_peer(
+    name: str,
+    port: int,
+    worker_urls: list[str],
+    policy: str,
+    extra_args: Sequence[str] = (),
+    *,
+    host: str = "127.0.0.1",
+    ready_timeout_s: float = 60.0,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> PeerProcess:
+    """Start peer router ``name`` on ``host:port`` in front of ``worker_urls``.
+
+    The router's output goes to a temporary log file (``PeerProcess.log_path``). Returns
+    once ``GET /readiness`` reports every worker healthy; raises :class:`PeerStartError`
+    (after stopping the process) if it exits first or is not ready within
+    ``ready_timeout_s``.
+    """
+    spec = PEER_ROUTERS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown peer router {name!r}; known: {sorted(PEER_ROUTERS)}")
+    if policy not in spec.policies:
+        raise ValueError(f"{name} has no policy {policy!r}; choose from {spec.policies}")
+    if not worker_urls:
+        raise ValueError("worker_urls must not be empty")
+    python = peers_python()
+    if python is None:
+        raise PeerStartError(f"no peers interpreter: create {PEERS_VENV} or set {PEERS_PYTHON_ENV}")
+
+    metrics_port = _free_port(host)
+    argv = spec.command(
+        python,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        worker_urls=worker_urls,
+        policy=policy,
+        extra_args=extra_args,
+    )
+    fd, log_name = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log", dir=log_dir)
+    started = time.monotonic()
+    with os.fdopen(fd, "wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            env=offline_env(),
+            start_new_session=True,
+        )
+    peer = PeerProcess(
+        name=name,
+        pid=proc.pid,
+        url=f"http://{host}:{port}",
+        metrics_port=metrics_port,
+        argv=argv,
+        log_path=Path(log_name),
+        _proc=proc,
+    )
+
+    ready_url = peer.url + spec.ready_path
+    deadline = started + ready_timeout_s
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    try:
+        # trust_env=False: never route the readiness probe through a proxy.
+        async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
+            while True:
+                if proc.returncode is not None:
+                    raise PeerStartError(
+                        f"{name} exited with {proc.returncode} during start-up:\n{peer.log_tail()}"
+                    )
+                if await _ready(session, ready_url, len(worker_urls)):
+                    break
+                if time.monotonic() >= deadline:
+                    raise PeerStartError(
+                        f"{name} not ready at {ready_url} after {ready_timeout_s:.0f} s:\n{peer.log_tail()}"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 0.1)
+    except BaseException:
+        await peer.stop(grace_s=2.0)
+        raise
+    peer.startup_s = time.monotonic() - started
+    return peer

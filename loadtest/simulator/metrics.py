@@ -1,0 +1,158 @@
+"""Prometheus metrics under the engines' real names.
+
+A per-app CollectorRegistry keeps several simulators in one process apart. Gauges
+and counters are read from the engine at scrape time, so they can never drift from
+the scheduler's state; only the TTFT histogram is observed as tokens appear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .engine import Engine, SimRequest
+
+# vLLM's TTFT buckets.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+
+class PDCounters:
+    """P/D KV-transfer outcomes of this replica."""
+
+    def __init__(self) -> None:
+        self.honoured = 0
+        self.recomputed = 0
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Engine, pd: PDCounters) -> None:
+        self.engine = engine
+        self.pd = pd
+
+    def _labels(self) -> tuple[list[str], list[str]]:
+        cfg = self.engine.config
+        if cfg.engine == "vllm":
+            return ["engine", "model_name"], ["0", cfg.model]
+        return ["model_name"], [cfg.model]
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        names, values = self._labels()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        if e.config.engine == "vllm":
+            yield gauge(
+                "vllm:num_requests_running", "Number of requests in model execution batches.", len(e.running)
+            )
+            yield gauge(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(e.waiting)
+            )
+            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
+            yield counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                e.kv.queries_tokens,
+            )
+            yield counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                e.kv.hits_tokens,
+            )
+            yield counter(
+                "vllm:num_preemptions", "Cumulative number of preemption from the engine.", e.num_preemptions
+            )
+            yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
+            yield counter(
+                "vllm:generation_tokens", "Number of generation tokens processed.", e.generation_tokens_total
+            )
+            succ = CounterMetricFamily(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                labels=[*names, "finished_reason"],
+            )
+            for reason in ("stop", "length", "abort"):
+                succ.add_metric([*values, reason], e.finished.get(reason, 0))
+            yield succ
+            info_labels = {
+                "block_size": str(e.config.block_size),
+                "num_gpu_blocks": str(e.config.kv_blocks),
+                "enable_prefix_caching": "True",
+            }
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*names, *info_labels],
+            )
+            info.add_metric([*values, *info_labels.values()], 1.0)
+            yield info
+        else:
+            q = e.kv.queries_tokens
+            yield gauge(
+                "sglang:num_queue_reqs", "The number of requests in the waiting queue.", len(e.waiting)
+            )
+            yield gauge("sglang:num_running_reqs", "The number of running requests.", len(e.running))
+            yield gauge("sglang:token_usage", "The token usage.", e.kv.usage)
+            yield gauge(
+                "sglang:cache_hit_rate", "The prefix cache hit rate.", e.kv.hits_tokens / q if q else 0.0
+            )
+            yield counter(
+                "sglang:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total
+            )
+            yield counter(
+                "sglang:generation_tokens",
+                "Number of generation tokens processed.",
+                e.generation_tokens_total,
+            )
+            yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", e.kv.hits_tokens)
+            yield counter("sglang:num_requests", "Number of requests processed.", sum(e.finished.values()))
+        yield gauge(
+            "sim:step_wall_over_model_ratio",
+            "Recent engine step wall time over modelled step time (1 = faithful).",
+            e.fidelity_ratio,
+        )
+        yield counter("sim:steps", "Engine steps executed.", e.stats.steps)
+        pd = CounterMetricFamily(
+            "sim:pd_transfers", "P/D KV transfers by outcome.", labels=[*names, "outcome"]
+        )
+        pd.add_metric([*values, "honoured"], self.pd.honoured)
+        pd.add_metric([*values, "recomputed"], self.pd.recomputed)
+        yield pd
+
+
+class SimMetrics:
+    """Registry plus the live TTFT histogram for one simulator app."""
+
+    def __init__(self, engine: Engine, pd: PDCounters) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(engine, pd))
+        prefix = "vllm" if engine.config.engine == "vllm" else "sglang"
+        labelnames = ["engine", "model_name"] if prefix == "vllm" else ["model_name"]
+        labelvalues = ["0", engine.config.model] if prefix == "vllm" else [engine.config.model]
+        self._ttft = Histogram(
+            f"{prefix}:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labelnames=labelnames,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*labelvalues)
+        engine.on_first_token = self._observe_ttft
+
+    def _observe_ttft(self, req: SimRequest) -> None:
+        ttft = req.ttft
+        if ttft is not None:
+            self._ttft.observe(ttft)

@@ -1,0 +1,516 @@
+"""OpenAI-compatible HTTP front end of one simulated replica.
+
+Speaks the same wire format as vLLM / SGLang (chat and text completions, SSE
+streaming, usage with cached_tokens, /v1/models, /health, /metrics) plus admin
+endpoints for fault injection and state inspection used by tests and benchmarks.
+A client that disconnects has its request aborted so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .config import SimConfig
+from .engine import FINISHED, Engine, RequestTooLong, SimRequest
+from .metrics import PDCounters, SimMetrics
+from .pd import REGISTRY, PrefillRecord, prompt_digest
+from .tokenizer import encode, encode_chat
+
+FAULT_MODES = ("none", "error", "hang", "drop", "slow")
+
+
+@dataclass
+class Fault:
+    mode: str = "none"
+    status: int = 500
+    after_chunks: int = 0
+    slow_factor: float = 1.0
+
+
+class _Disconnected(Exception):
+    """The client went away."""
+
+
+@dataclass
+class SimState:
+    config: SimConfig
+    engine: Engine
+    metrics: SimMetrics
+    pd: PDCounters
+    engine_id: str
+    fault: Fault = field(default_factory=Fault)
+    port: int = 0
+
+
+STATE_KEY = web.AppKey("sim_state", SimState)
+_JSON_SEP = (",", ":")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=_JSON_SEP)
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
+    """OpenAI-style error body."""
+    body = {"error": {"message": message, "type": type_, "code": status, "param": param}}
+    return web.json_response(body, status=status)
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _closed(request: web.Request) -> bool:
+    t = request.transport
+    return t is None or t.is_closing()
+
+
+async def _next_event(req: SimRequest, request: web.Request) -> str | None:
+    """Next token (or None at the end), noticing a vanished client even while queued.
+
+    Checked here as well as by aiohttp's handler cancellation, so apps served by
+    runners without `handler_cancellation=True` still free the blocks of gone clients.
+    """
+    if _closed(request):
+        raise _Disconnected
+    if not req.out.empty():
+        return req.out.get_nowait()
+    while True:
+        try:
+            return await asyncio.wait_for(req.out.get(), 0.25)
+        except TimeoutError:
+            if _closed(request):
+                raise _Disconnected from None
+
+
+async def _wait_disconnect(request: web.Request) -> None:
+    while True:
+        if _closed(request):
+            return
+        await asyncio.sleep(0.05)
+
+
+def _int_field(body: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise _BadRequest(f"{name} must be a positive integer", name)
+        return v
+    return None
+
+
+def _completion_prompt(prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        return encode(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if len(prompt) == 1:
+            return _completion_prompt(prompt[0])
+        raise _BadRequest("batched prompts are not supported by the simulator", "prompt")
+    raise _BadRequest("prompt must be a string, a list of token ids or a one-element list", "prompt")
+
+
+class _Handlers:
+    def __init__(self, state: SimState) -> None:
+        self.s = state
+
+    # ---- plain endpoints ------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.s.config
+        data = [
+            {
+                "id": cfg.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": cfg.engine,
+                "root": cfg.model,
+                "parent": None,
+                "max_model_len": cfg.kv_blocks * cfg.block_size,
+            }
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.s.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        st = self.s.engine.state()
+        f = self.s.fault
+        st.update(
+            engine=self.s.config.engine,
+            role=self.s.config.role,
+            model=self.s.config.model,
+            engine_id=self.s.engine_id,
+            fault={
+                "mode": f.mode,
+                "status": f.status,
+                "after_chunks": f.after_chunks,
+                "slow_factor": f.slow_factor,
+            },
+            pd_transfers={"honoured": self.s.pd.honoured, "recomputed": self.s.pd.recomputed},
+        )
+        return web.json_response(st)
+
+    async def admin_fault(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError
+            mode = body.get("mode", "none")
+            if mode not in FAULT_MODES:
+                raise ValueError
+            fault = Fault(
+                mode=mode,
+                status=int(body.get("status", 500)),
+                after_chunks=int(body.get("after_chunks", 0)),
+                slow_factor=float(body.get("slow_factor", 1.0)),
+            )
+        except (ValueError, TypeError):
+            return error_response(
+                400, f"body must be {{'mode': one of {FAULT_MODES}, ...}}", "BadRequestError"
+            )
+        self.s.fault = fault
+        self.s.engine.slow_factor = fault.slow_factor if mode == "slow" else 1.0
+        return web.json_response({"ok": True, "mode": mode})
+
+    # ---- generation -------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        cfg = self.s.config
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", "BadRequestError")
+        model = body.get("model")
+        if model != cfg.model:
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        try:
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise _BadRequest("messages must be a non-empty list", "messages")
+                try:
+                    tokens = encode_chat(messages)
+                except ValueError as e:
+                    raise _BadRequest(str(e), "messages") from None
+                max_tokens = _int_field(body, "max_completion_tokens", "max_tokens")
+            else:
+                tokens = _completion_prompt(body.get("prompt"))
+                max_tokens = _int_field(body, "max_tokens")
+            stream_options = body.get("stream_options") or {}
+            if not isinstance(stream_options, dict):
+                raise _BadRequest("stream_options must be an object", "stream_options")
+        except _BadRequest as e:
+            return error_response(400, str(e), "BadRequestError", e.param)
+        if not tokens:
+            return error_response(400, "prompt is empty", "BadRequestError", "prompt")
+        stream = bool(body.get("stream", False))
+        include_usage = bool(stream_options.get("include_usage", False))
+
+        fault = self.s.fault
+        if fault.mode == "error":
+            return error_response(fault.status, "injected fault", "InternalServerError")
+        if fault.mode == "hang":
+            await _wait_disconnect(request)
+            raise asyncio.CancelledError  # nobody is listening any more
+        if fault.mode == "drop" and not stream:
+            if request.transport is not None:
+                request.transport.close()
+            raise asyncio.CancelledError
+
+        external, pd_kind, room = await self._pd_prepare(body, tokens)
+        seed = xxhash.xxh32_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens[-64:]), seed=cfg.seed)
+        if isinstance(body.get("seed"), int):
+            seed ^= body["seed"] & 0xFFFFFFFF
+        req = SimRequest(tokens, max_tokens or cfg.default_max_tokens, seed=seed, external_tokens=external)
+        try:
+            self.s.engine.add_request(req)
+        except (RequestTooLong, ValueError) as e:
+            return error_response(400, str(e), "BadRequestError", "max_tokens")
+        try:
+            if stream:
+                return await self._stream(request, req, chat, include_usage)
+            return await self._complete(request, req, chat, body, pd_kind, room)
+        except (_Disconnected, ConnectionError):
+            raise asyncio.CancelledError from None
+        finally:
+            if req.status != FINISHED:
+                self.s.engine.abort(req)
+
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        completion = req.num_output_tokens
+        return {
+            "prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": req.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens)},
+        }
+
+    async def _complete(
+        self, request: web.Request, req: SimRequest, chat: bool, body: dict[str, Any], pd_kind: str, room: Any
+    ) -> web.Response:
+        parts: list[str] = []
+        while (ev := await _next_event(req, request)) is not None:
+            parts.append(ev)
+        if req.status != FINISHED:
+            raise _Disconnected
+        text = "".join(parts)
+        created = int(time.time())
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": None,
+            }
+            out: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": None,
+            }
+            out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
+        out.update(created=created, model=self.s.config.model, choices=[choice], usage=self._usage(req))
+        out["kv_transfer_params"] = self._pd_finish(req, pd_kind, room)
+        return web.json_response(out, dumps=_dumps)
+
+    async def _stream(
+        self, request: web.Request, req: SimRequest, chat: bool, include_usage: bool
+    ) -> web.StreamResponse:
+        cfg = self.s.config
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "Connection": "keep-alive",
+            }
+        )
+        await resp.prepare(request)
+        created = int(time.time())
+        if chat:
+            rid, obj = f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk"
+        else:
+            rid, obj = f"cmpl-{uuid.uuid4().hex}", "text_completion"
+        fault = self.s.fault
+        drop_after = fault.after_chunks if fault.mode == "drop" else -1
+        sent = 0
+
+        async def send(payload: str) -> None:
+            nonlocal sent
+            if sent == drop_after:
+                if request.transport is not None:
+                    request.transport.close()
+                raise _Disconnected
+            await resp.write(f"data: {payload}\n\n".encode())
+            sent += 1
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return _dumps(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": cfg.model,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+        if chat:
+            await send(chunk([choice(None, None, role=True)]))
+        ev = await _next_event(req, request)
+        while ev is not None:
+            nxt = await _next_event(req, request)
+            finish = req.finish_reason if nxt is None and req.status == FINISHED else None
+            await send(chunk([choice(ev, finish)]))
+            ev = nxt
+        if req.status != FINISHED:
+            raise _Disconnected
+        if include_usage:
+            await send(chunk([], usage=self._usage(req)))
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+    # ---- P/D ---------------------------------------------------------------------
+    async def _pd_prepare(self, body: dict[str, Any], tokens: list[int]) -> tuple[int, str, Any]:
+        """Decide how many prompt tokens arrive by KV transfer. Returns (external tokens, kind, room)."""
+        cfg = self.s.config
+        params = body.get("kv_transfer_params")
+        room = body.get("bootstrap_room")
+        if isinstance(params, dict):
+            if params.get("do_remote_decode"):
+                return 0, "nixl_prefill", None
+            if params.get("do_remote_prefill"):
+                ok = REGISTRY.claim_nixl(params, tokens)
+                return self._count(ok, tokens), "nixl_decode", None
+        if room is not None and cfg.role in ("prefill", "decode"):
+            if cfg.role == "prefill":
+                return 0, "room_prefill", room
+            deadline = time.monotonic() + max(0.2, 5.0 / cfg.time_scale)
+            while True:
+                ok = REGISTRY.claim_room(room, tokens)
+                if ok is not None or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.002)
+            return self._count(bool(ok), tokens), "room_decode", room
+        return 0, "", None
+
+    def _count(self, ok: bool, tokens: list[int]) -> int:
+        if ok:
+            self.s.pd.honoured += 1
+            return len(tokens) - 1
+        self.s.pd.recomputed += 1
+        return 0
+
+    def _pd_finish(self, req: SimRequest, kind: str, room: Any) -> dict[str, Any] | None:
+        if kind not in ("nixl_prefill", "room_prefill"):
+            return None
+        cfg = self.s.config
+        rec = PrefillRecord(
+            engine_id=self.s.engine_id,
+            request_id=req.request_id,
+            block_ids=list(req.last_block_ids),
+            digest=prompt_digest(req.prompt_tokens),
+            num_tokens=req.num_prompt_tokens,
+            expires=time.monotonic() + cfg.pd_ttl_s,
+        )
+        REGISTRY.add_prefill(rec, room=room if kind == "room_prefill" else None)
+        if kind == "room_prefill":
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.s.engine_id,
+            "remote_block_ids": rec.block_ids,
+            "remote_host": cfg.host,
+            "remote_port": self.s.port or cfg.port,
+            "remote_request_id": req.request_id,
+            "tp_size": 1,
+        }
+
+
+def build_app(config: SimConfig) -> web.Application:
+    """The aiohttp application of one simulated replica; the engine runs while the app runs."""
+    engine = Engine(config)
+    pd = PDCounters()
+    state = SimState(
+        config=config,
+        engine=engine,
+        metrics=SimMetrics(engine, pd),
+        pd=pd,
+        engine_id=f"sim-{uuid.uuid4().hex[:12]}",
+        port=config.port,
+    )
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[STATE_KEY] = state
+    h = _Handlers(state)
+    app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+    app.router.add_get("/admin/state", h.admin_state)
+    app.router.add_post("/admin/fault", h.admin_fault)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        REGISTRY.engines.add(state.engine_id)
+        engine.start()
+        yield
+        REGISTRY.engines.discard(state.engine_id)
+        await engine.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+@dataclass
+class RunningSimulator:
+    """Handle on a simulator started by `running_simulator`."""
+
+    url: str
+    engine: Engine
+    config: SimConfig
+    app: web.Application
+
+    @property
+    def state(self) -> SimState:
+        return self.app[STATE_KEY]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def start_runner(config: SimConfig) -> tuple[web.AppRunner, RunningSimulator]:
+    """Start a simulator on config.host (a free port if config.port == 0)."""
+    if config.port == 0:
+        config.port = _free_port(config.host)
+    app = build_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    app[STATE_KEY].port = config.port
+    sim = RunningSimulator(
+        url=f"http://{config.host}:{config.port}", engine=app[STATE_KEY].engine, config=config, app=app
+    )
+    return runner, sim
+
+
+@contextlib.asynccontextmanager
+async def running_simulator(
+    config: SimConfig | None = None, **overrides: Any
+) -> AsyncIterator[RunningSimulator]:
+    """`async with running_simulator(SimConfig(port=0)) as sim:` -> sim.url, sim.engine, sim.config."""
+    if config is None:
+        config = SimConfig(port=0, **overrides)
+    elif overrides:
+        from dataclasses import replace
+
+        config = replace(config, **overrides)
+    runner, sim = await start_runner(config)
+    try:
+        yield sim
+    finally:
+        await runner.cleanup()
