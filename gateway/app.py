@@ -1,7 +1,8 @@
 """``build_app(config)``: the only place that wires objects together.
 
-Each resource with a lifetime (the upstream client session, the health checker, the
-metrics poller) gets one ``cleanup_ctx`` entry, so start-up and shutdown stay paired.
+Each resource with a lifetime (the upstream client session, the prefix index's
+Redis connection, the health checker, the metrics poller) gets one ``cleanup_ctx``
+entry, so start-up and shutdown stay paired.
 """
 
 from __future__ import annotations
@@ -14,37 +15,86 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, PrefixConfig
 from gateway.endpoints.health import HealthChecker
 from gateway.endpoints.poller import MetricsPoller
 from gateway.endpoints.registry import EndpointRegistry, endpoint_from_config
 from gateway.handlers import add_routes
-from gateway.hooks import HookChain, InFlightHook
+from gateway.hooks import HookChain, InFlightHook, PrefixHook
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_middleware
-from gateway.proxy import Proxy
+from gateway.prefix.cache import PrefixCache
+from gateway.prefix.index import PrefixIndex
+from gateway.prefix.memory import MemoryPrefixIndex
+from gateway.proxy import Proxy, RequestHooks
 from gateway.scheduling.build import build_scheduler
+from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry, default_registry
 from gateway.state import STATE, GatewayState
+from gateway.types import Endpoint
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "build_prefix_index"]
 
 log = logging.getLogger(__name__)
+
+
+def build_prefix_index(config: PrefixConfig, metrics: GatewayMetrics) -> PrefixIndex:
+    local = MemoryPrefixIndex(default_capacity=config.capacity_blocks, ttl_s=config.ttl_s)
+    if config.backend == "memory":
+        return local
+    import redis.asyncio as aioredis
+
+    from gateway.prefix.redis import RedisPrefixIndex
+
+    client = aioredis.from_url(
+        config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0, health_check_interval=5
+    )
+    return RedisPrefixIndex(
+        client,
+        local,
+        key_prefix=config.key_prefix,
+        budget_s=config.redis_budget_s,
+        retry_after_s=config.redis_retry_after_s,
+        on_fallback=lambda reason: metrics.redis_fallbacks.labels(reason).inc(),
+        on_latency=metrics.redis_latency.observe,
+    )
 
 
 def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
     """Validate and wire everything; raises ConfigError before any socket is opened."""
     metrics = GatewayMetrics()
     registry = EndpointRegistry(endpoint_from_config(e) for e in config.endpoints)
-    scheduler = build_scheduler(config, plugin_registry or default_registry(), metrics)
-    state = GatewayState(config=config, registry=registry, metrics=metrics, scheduler=scheduler)
+    prefix = PrefixCache(
+        build_prefix_index(config.prefix, metrics),
+        metrics,
+        block_bytes=config.prefix.block_bytes,
+        default_capacity_blocks=config.prefix.capacity_blocks,
+    )
+    context = PluginContext(metrics=metrics, prefix=prefix)
+    scheduler = build_scheduler(config, plugin_registry or default_registry(), context)
+    state = GatewayState(
+        config=config, registry=registry, metrics=metrics, scheduler=scheduler, prefix=prefix
+    )
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
     add_routes(app)
+    app.cleanup_ctx.append(_prefix_index)
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_endpoint_monitors)
     return app
+
+
+async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[STATE].prefix.index.close()
+
+
+def _request_hooks(state: GatewayState) -> RequestHooks:
+    hooks: list[RequestHooks] = [InFlightHook(state.metrics)]
+    if state.scheduler.preparers:  # only policies that read the prefix index pay for hashing
+        hooks.append(PrefixHook(state.prefix, state.metrics))
+    return HookChain(hooks)
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -59,28 +109,50 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     app[_SESSION] = session
-    health = HealthChecker(state.registry, session, state.config.health, state.metrics)
+    forget_tasks: set[asyncio.Task[None]] = set()
+
+    def forget(endpoint: Endpoint) -> None:
+        task = asyncio.get_running_loop().create_task(state.prefix.forget(endpoint))
+        forget_tasks.add(task)
+        task.add_done_callback(forget_tasks.discard)
+
+    def on_health_change(endpoint: Endpoint, healthy: bool) -> None:
+        if not healthy:
+            forget(endpoint)
+
+    health = HealthChecker(state.registry, session, state.config.health, state.metrics, on_health_change)
     app[_HEALTH] = health
+    app[_FORGET] = forget
     state.proxy = Proxy(
         session,
         state.config.timeouts,
         limits,
         state.metrics,
-        HookChain([InFlightHook(state.metrics)]),
+        _request_hooks(state),
         on_connect_failure=health.mark_failed,
     )
     yield
+    await asyncio.gather(*forget_tasks, return_exceptions=True)
     await session.close()
 
 
 async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     health = app[_HEALTH]
-    poller = MetricsPoller(state.registry, app[_SESSION], state.config.scrape, state.metrics)
+    poller = MetricsPoller(
+        state.registry,
+        app[_SESSION],
+        state.config.scrape,
+        state.metrics,
+        on_restart=app[_FORGET],
+        on_scraped=state.prefix.update_engine_capacity,
+    )
     # One synchronous round first, so a freshly started gateway is ready at once.
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(state.config.health.timeout_s + 1):
+        async with asyncio.timeout(state.config.health.timeout_s + state.config.scrape.timeout_s + 1):
             await health.check_all()
+            if state.config.scrape.enabled:
+                await poller.scrape_all()
     tasks = [asyncio.create_task(health.run(), name="health-checks")]
     if state.config.scrape.enabled:
         tasks.append(asyncio.create_task(poller.run(), name="metrics-poller"))
@@ -92,3 +164,4 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
 
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream_session", aiohttp.ClientSession)
 _HEALTH: web.AppKey[HealthChecker] = web.AppKey("health_checker", HealthChecker)
+_FORGET: web.AppKey[object] = web.AppKey("forget_endpoint", object)

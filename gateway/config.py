@@ -20,6 +20,7 @@ __all__ = [
     "EndpointConfig",
     "GatewayConfig",
     "PluginSpec",
+    "PrefixConfig",
     "ProfileSpec",
     "load_config",
 ]
@@ -87,6 +88,19 @@ class LimitConfig(_Strict):
     retries: int = Field(1, ge=0, le=5, description="re-sends before the first byte, never same endpoint")
 
 
+class PrefixConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "llmgw"
+    block_bytes: int = Field(64, ge=8, le=4096, description="prompt bytes per block (≈16 tokens)")
+    capacity_blocks: int = Field(
+        65536, ge=1, description="per-endpoint bound when the engine does not report its KV size"
+    )
+    ttl_s: float = Field(3600.0, gt=0)
+    redis_budget_s: float = Field(0.005, gt=0, description="longest a match may wait for Redis")
+    redis_retry_after_s: float = Field(1.0, gt=0)
+
+
 class PluginSpec(_Strict):
     type: str
     name: str | None = None
@@ -114,6 +128,7 @@ class GatewayConfig(_Strict):
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     limits: LimitConfig = Field(default_factory=LimitConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)

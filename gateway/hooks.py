@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.metrics import GatewayMetrics
+from gateway.prefix.cache import PrefixCache
 from gateway.proxy import RequestHooks
 from gateway.types import Endpoint, InferenceRequest
 
-__all__ = ["HookChain", "InFlightHook"]
+__all__ = ["HookChain", "InFlightHook", "PrefixHook"]
 
 
 class InFlightHook(RequestHooks):
@@ -43,6 +44,57 @@ class HookChain(RequestHooks):
         for hook in self._hooks:
             hook.on_send(request, endpoint)
 
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        for hook in self._reversed:
+            hook.on_first_byte(request, endpoint)
+
+    def on_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        for hook in self._reversed:
+            hook.on_usage(request, endpoint, prompt_tokens, cached_tokens)
+
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
         for hook in self._reversed:
             hook.on_done(request, endpoint, ok)
+
+
+class PrefixHook(RequestHooks):
+    """Records where a prompt went, tracks its pending prefill, and feeds usage back.
+
+    Records on send (not on success): the replica starts caching the prefix the moment
+    it starts prefilling, and the next request of the conversation may arrive first.
+    """
+
+    def __init__(self, prefix: PrefixCache, metrics: GatewayMetrics) -> None:
+        self._prefix = prefix
+        self._metrics = metrics
+
+    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        match = self._prefix.current_match(request)
+        if match is not None and match.matched.get(endpoint, 0) < match.best():
+            self._metrics.load_overrides.inc()
+        pending = self._prefix.uncached_tokens(request, endpoint)
+        request.attributes.setdefault(_PENDING, {})[endpoint] = pending
+        endpoint.pending_prefill_tokens += pending
+        self._prefix.record(request, endpoint)
+
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        self._release(request, endpoint)
+
+    def on_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        self._prefix.observe_usage(request, endpoint, prompt_tokens, cached_tokens)
+
+    def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
+        self._release(request, endpoint)
+
+    @staticmethod
+    def _release(request: InferenceRequest, endpoint: Endpoint) -> None:
+        pending = request.attributes.get(_PENDING, {}).pop(endpoint, None)
+        if pending is not None:
+            endpoint.pending_prefill_tokens = max(0.0, endpoint.pending_prefill_tokens - pending)
+
+
+_PENDING = "pending_prefill"

@@ -105,6 +105,55 @@ class GatewayMetrics:
             ["endpoint", "kind"],
             registry=r,
         )
+        self.prefix_predicted_blocks = Counter(
+            "llm_gateway_prefix_predicted_hit_blocks",
+            "Blocks of prompts the index predicted cached on the best candidate",
+            registry=r,
+        )
+        self.prefix_prompt_blocks = Counter(
+            "llm_gateway_prefix_prompt_blocks",
+            "Blocks of prompts looked up in the prefix index (denominator of the predicted hit ratio)",
+            registry=r,
+        )
+        self.observed_cached_tokens = Counter(
+            "llm_gateway_observed_cached_tokens",
+            "Cached prompt tokens reported by replicas in usage.prompt_tokens_details",
+            registry=r,
+        )
+        self.observed_prompt_tokens = Counter(
+            "llm_gateway_observed_prompt_tokens",
+            "Prompt tokens reported by replicas in usage (denominator of the observed hit ratio)",
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "llm_gateway_prefix_index_blocks",
+            "Blocks the local prefix index holds per endpoint",
+            ["endpoint"],
+            registry=r,
+        )
+        self.prefix_mispredictions = Counter(
+            "llm_gateway_prefix_mispredictions",
+            "Responses whose cached tokens were far below the index's prediction",
+            ["endpoint"],
+            registry=r,
+        )
+        self.redis_latency = Histogram(
+            "llm_gateway_redis_match_duration_seconds",
+            "Round trip of a Redis prefix-index match",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.redis_fallbacks = Counter(
+            "llm_gateway_redis_fallbacks",
+            "Prefix-index operations answered locally because Redis was slow or down",
+            ["reason"],
+            registry=r,
+        )
+        self.load_overrides = Counter(
+            "llm_gateway_affinity_overridden_by_load",
+            "Decisions where the endpoint with the best prefix match was not chosen because of load",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "llm_gateway_client_disconnects",
             "Requests whose client went away before the response ended",

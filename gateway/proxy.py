@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, 
 from gateway.metrics import GatewayMetrics
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
 
-__all__ = ["Proxy", "RequestHooks"]
+__all__ = ["Proxy", "RequestHooks", "extract_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +36,39 @@ _FORWARDED_RESPONSE_HEADERS = ("content-type",)
 
 
 class RequestHooks:
-    """Pre/post hooks around each upstream attempt (in-flight accounting, index updates).
+    """Hooks around each upstream attempt (in-flight accounting, prefix index updates).
 
-    ``on_send`` runs when a request is sent to an endpoint, ``on_done`` when that attempt
-    ends for any reason — including cancellation — with the usage payload when known.
+    ``on_send`` runs when a request is sent to an endpoint; ``on_first_byte`` when its
+    first response chunk arrives; ``on_usage`` when the response carried a ``usage``
+    object; ``on_done`` when the attempt ends for any reason, cancellation included.
     """
 
-    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:  # pragma: no cover
+    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         pass
 
-    def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:  # pragma: no cover
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         pass
+
+    def on_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        pass
+
+    def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
+        pass
+
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def extract_usage(payload: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, cached_tokens) from the tail of a response, without parsing it all."""
+    prompt = _PROMPT_TOKENS.findall(payload)
+    if not prompt:
+        return None
+    cached = _CACHED_TOKENS.findall(payload)
+    return int(prompt[-1]), int(cached[-1]) if cached else 0
 
 
 class _Retryable(Exception):
@@ -124,9 +147,12 @@ class Proxy:
                 response.content_type = upstream.content_type
                 raise _Retryable(f"http_{upstream.status}", response)
             if request.stream and upstream.status == 200:
-                response, complete = await self._stream(http_request, request, upstream, headers, started)
+                response, complete = await self._stream(
+                    http_request, request, endpoint, upstream, headers, started
+                )
             else:
-                response, complete = await self._buffered(request, upstream, headers, started), True
+                response = await self._buffered(request, endpoint, upstream, headers, started)
+                complete = True
             ok = complete and upstream.status < 400
             self._metrics.requests.labels(request.model, endpoint.name, str(response.status)).inc()
             return response
@@ -164,6 +190,7 @@ class Proxy:
     async def _buffered(
         self,
         request: InferenceRequest,
+        endpoint: Endpoint,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
         started: float,
@@ -175,6 +202,9 @@ class Proxy:
             raise UpstreamTimeout("upstream response body timed out") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
+        self._hooks.on_first_byte(request, endpoint)
+        if upstream.status == 200:
+            self._report_usage(request, endpoint, body[-2048:])
         response = web.Response(status=upstream.status, body=body, headers=headers)
         response.content_type = upstream.content_type
         if upstream.charset:
@@ -188,6 +218,7 @@ class Proxy:
         self,
         http_request: web.Request,
         request: InferenceRequest,
+        endpoint: Endpoint,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
         started: float,
@@ -201,6 +232,7 @@ class Proxy:
         first = True
         failure: str | None = None
         content = upstream.content
+        previous = last = b""  # the usage object sits in the last chunks of the stream
         try:
             async with asyncio.timeout_at(loop.time() + self._timeouts.first_byte_s) as deadline:
                 while True:
@@ -208,9 +240,11 @@ class Proxy:
                     if not chunk:
                         break
                     await response.write(chunk)
+                    previous, last = last, chunk
                     if first:
                         first = False
                         self._metrics.ttft.labels(request.model).observe(time.monotonic() - started)
+                        self._hooks.on_first_byte(request, endpoint)
                     deadline.reschedule(loop.time() + self._timeouts.idle_s)
         except TimeoutError:
             failure = "upstream stalled: no data within the idle timeout"
@@ -220,9 +254,16 @@ class Proxy:
             failure = f"upstream connection lost: {exc}"
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
-            self._metrics.upstream_errors.labels(headers["x-gateway-endpoint"], "mid_stream").inc()
+            self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
             event = error_body(failure, "upstream_error", "upstream_stream_error")
             await response.write(b"data: " + json.dumps(event).encode() + b"\n\n" + _SSE_DONE)
+        else:
+            self._report_usage(request, endpoint, previous[-2048:] + last[-2048:])
         await response.write_eof()
         self._metrics.e2e.labels(request.model).observe(time.monotonic() - started)
         return response, failure is None
+
+    def _report_usage(self, request: InferenceRequest, endpoint: Endpoint, tail: bytes) -> None:
+        usage = extract_usage(tail)
+        if usage is not None:
+            self._hooks.on_usage(request, endpoint, *usage)

@@ -9,6 +9,7 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.endpoints.registry import EndpointRegistry
 from gateway.metrics import GatewayMetrics
+from gateway.prefix.cache import PrefixCache
 from gateway.proxy import Proxy
 from gateway.scheduling.scheduler import Scheduler
 
@@ -21,6 +22,7 @@ class GatewayState:
     registry: EndpointRegistry
     metrics: GatewayMetrics
     scheduler: Scheduler
+    prefix: PrefixCache
     proxy: Proxy | None = None  # set once the client session exists (app startup)
 
 

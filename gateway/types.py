@@ -87,6 +87,8 @@ class Endpoint:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     in_flight: int = 0
     in_flight_tokens: int = 0
+    # Estimated uncached prompt tokens sent but not yet answered with a first chunk.
+    pending_prefill_tokens: float = 0.0
     created_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -32,16 +32,16 @@ DEMO_WORKLOADS: dict[str, tuple[dict, float | None, int | None]] = {
     ),
     "multi-turn": (
         dict(
-            num_users=24, num_rounds=6, system_prompt_len=600, history_len=400, question_len=80, answer_len=48
+            num_users=16, num_rounds=6, system_prompt_len=600, history_len=300, question_len=80, answer_len=48
         ),
         None,
-        24,
+        16,
     ),
 }
 
-# Per replica: 320 blocks × 16 tokens ≈ 5k tokens of KV — about three of the eight
-# shared prefixes; the fleet of four holds all of them.
-SIM_ARGS = ["--kv-blocks", "320", "--block-size", "16", "--max-num-seqs", "32", "--time-scale", "1"]
+# Per replica: 512 blocks × 16 tokens = 8k tokens of KV — five of the eight shared
+# prefixes, or four users' conversations; the fleet of four holds all of them.
+SIM_ARGS = ["--kv-blocks", "512", "--block-size", "16", "--max-num-seqs", "32", "--time-scale", "1"]
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:

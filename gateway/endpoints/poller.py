@@ -32,12 +32,14 @@ class MetricsPoller:
         config: ScrapeConfig,
         metrics: GatewayMetrics,
         on_restart: Callable[[Endpoint], None] | None = None,
+        on_scraped: Callable[[Endpoint], None] | None = None,
     ) -> None:
         self._registry = registry
         self._session = session
         self._config = config
         self._metrics = metrics
         self._on_restart = on_restart
+        self._on_scraped = on_scraped
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._last_marker: dict[str, float] = {}
 
@@ -76,6 +78,8 @@ class MetricsPoller:
         self._metrics.endpoint_running.labels(endpoint.name).set(load.running or 0)
         self._metrics.endpoint_kv_usage.labels(endpoint.name).set(load.kv_usage or 0)
         self._detect_restart(endpoint, load.restart_marker)
+        if self._on_scraped:
+            self._on_scraped(endpoint)
 
     def _detect_restart(self, endpoint: Endpoint, marker: float | None) -> None:
         if marker is None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, PluginSpec, ProfilePluginRef, ProfileSpec
-from gateway.metrics import GatewayMetrics
-from gateway.scheduling.framework import PluginKind
+from gateway.scheduling.framework import PluginContext, PluginKind
 from gateway.scheduling.registry import PluginRegistry
 from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
 
@@ -51,8 +50,24 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
             ("max-score", 1),
         ),
     ),
+    # Expected-cost routing: prefix hits against queued work; cache room breaks cold ties.
+    "prefix-aware": (
+        [
+            *_BASE_FILTERS,
+            PluginSpec(type="prefix-cost"),
+            PluginSpec(type="cache-room"),
+            PluginSpec(type="max-score", parameters={"tolerance": 0.02}),
+        ],
+        _profile(
+            ("healthy", 1),
+            ("model", 1),
+            ("prefix-cost", 1),
+            ("cache-room", 0.02),
+            ("max-score", 1),
+        ),
+    ),
 }
-DEFAULT_POLICY = "least-load"
+DEFAULT_POLICY = "prefix-aware"
 
 
 def preset(name: str) -> tuple[list[PluginSpec], list[ProfileSpec]]:
@@ -62,7 +77,7 @@ def preset(name: str) -> tuple[list[PluginSpec], list[ProfileSpec]]:
         raise ConfigError(f"policy: unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})") from None
 
 
-def build_scheduler(config: GatewayConfig, registry: PluginRegistry, metrics: GatewayMetrics) -> Scheduler:
+def build_scheduler(config: GatewayConfig, registry: PluginRegistry, context: PluginContext) -> Scheduler:
     if config.plugins:
         plugin_specs, profile_specs = config.plugins, config.profiles
     else:
@@ -75,7 +90,7 @@ def build_scheduler(config: GatewayConfig, registry: PluginRegistry, metrics: Ga
         except KeyError as exc:
             raise ConfigError(f"plugins.{index}.type: {exc.args[0]}") from None
         try:
-            instance = plugin_type.factory(spec.instance_name, spec.parameters)
+            instance = plugin_type.factory(spec.instance_name, spec.parameters, context)
         except ValueError as exc:
             raise ConfigError(f"plugins.{index}.{exc}") from None
         instances[spec.instance_name] = (plugin_type.kind, instance)
@@ -86,7 +101,7 @@ def build_scheduler(config: GatewayConfig, registry: PluginRegistry, metrics: Ga
     if handlers:
         handler = handlers[0]
     else:
-        handler = registry.get("single").factory("single", {})
+        handler = registry.get("single").factory("single", {}, context)
 
     profiles: dict[str, Profile] = {}
     for p_index, spec in enumerate(profile_specs):
@@ -106,8 +121,8 @@ def build_scheduler(config: GatewayConfig, registry: PluginRegistry, metrics: Ga
                 )
         if len(pickers) > 1:
             raise ConfigError(f"profiles.{p_index}.plugins: a profile takes one picker, got {len(pickers)}")
-        picker = pickers[0] if pickers else registry.get("max-score").factory("max-score", {})
+        picker = pickers[0] if pickers else registry.get("max-score").factory("max-score", {}, context)
         if spec.name in profiles:
             raise ConfigError(f"profiles.{p_index}.name: duplicate profile {spec.name!r}")
         profiles[spec.name] = Profile(spec.name, tuple(filters), tuple(scorers), picker)
-    return Scheduler(profiles, handler, metrics)
+    return Scheduler(profiles, handler, context.metrics)

@@ -14,14 +14,20 @@ is synchronous and must not block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gateway.types import Endpoint, InferenceRequest, ScoredEndpoint
+
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
+    from gateway.prefix.cache import PrefixCache
 
 __all__ = [
     "Filter",
     "Picker",
+    "PluginContext",
     "PluginKind",
     "PreparingPlugin",
     "ProfileHandler",
@@ -34,6 +40,14 @@ class PluginKind(StrEnum):
     SCORER = "scorer"
     PICKER = "picker"
     PROFILE_HANDLER = "profile-handler"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginContext:
+    """App-level services a plugin factory may use (instead of globals)."""
+
+    metrics: GatewayMetrics
+    prefix: PrefixCache
 
 
 class Filter(Protocol):

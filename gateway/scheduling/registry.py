@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from gateway.scheduling.framework import PluginKind
+from gateway.scheduling.framework import PluginContext, PluginKind
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginFactory", "PluginRegistry", "PluginType", "default_registry"]
 
@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "llm_gateway.plugins"
 
-# A factory takes the instance name and its parameters and returns the plugin.
-PluginFactory = Callable[[str, Mapping[str, Any]], Any]
+# A factory takes the instance name, its parameters and the app's shared services.
+PluginFactory = Callable[[str, Mapping[str, Any], "PluginContext"], Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ class Scheduler:
         self._metrics = metrics
         self._profile_names = tuple(profiles)
         self._plugin_timer = {}  # (kind, name) → histogram child, resolved once
-        self._preparers = [
+        self.preparers = [
             ws.scorer
             for profile in profiles.values()
             for ws in profile.scorers
@@ -69,7 +69,7 @@ class Scheduler:
 
     async def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
         started = time.perf_counter()
-        for plugin in self._preparers:
+        for plugin in self.preparers:
             await plugin.prepare(request, endpoints)
         results: dict[str, list[ScoredEndpoint]] = {}
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
@@ -19,6 +20,6 @@ class HealthyFilter:
         return [e for e in candidates if e.healthy]
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> HealthyFilter:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> HealthyFilter:
     Params(parameters).done()
     return HealthyFilter(name)

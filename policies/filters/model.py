@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
@@ -19,6 +20,6 @@ class ModelFilter:
         return [e for e in candidates if e.serves(request.model)]
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> ModelFilter:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> ModelFilter:
     Params(parameters).done()
     return ModelFilter(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest, Role
 from policies.params import Params
 
@@ -20,7 +21,7 @@ class RoleFilter:
         return [e for e in candidates if e.role in self.roles]
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> RoleFilter:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> RoleFilter:
     params = Params(parameters)
     raw = params.string_list("roles", ["both"])
     params.done()

@@ -6,6 +6,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import InferenceRequest, ScoredEndpoint
 from policies.params import Params
 
@@ -23,7 +24,7 @@ class RandomPicker:
         return ranked
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> RandomPicker:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> RandomPicker:
     params = Params(parameters)
     seed = params.integer("seed", None)
     params.done()

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import InferenceRequest, ScoredEndpoint
 from policies.params import Params
 
@@ -23,6 +24,6 @@ class RoundRobinPicker:
         return ordered[start:] + ordered[:start]
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> RoundRobinPicker:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> RoundRobinPicker:
     Params(parameters).done()
     return RoundRobinPicker(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import InferenceRequest, ScoredEndpoint
 from policies.params import Params
 
@@ -30,7 +31,7 @@ class SingleProfileHandler:
         return next(iter(results))
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> SingleProfileHandler:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> SingleProfileHandler:
     params = Params(parameters)
     profile = params.optional_string("profile")
     params.done()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
@@ -33,7 +34,7 @@ class InFlightScorer:
         return {e: 1.0 - load / high for e, load in loads.items()}
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> InFlightScorer:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> InFlightScorer:
     params = Params(parameters)
     by = params.choice("by", "requests", ("requests", "tokens"))
     params.done()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
@@ -30,6 +31,6 @@ class KvUtilizationScorer:
         return scores
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> KvUtilizationScorer:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> KvUtilizationScorer:
     Params(parameters).done()
     return KvUtilizationScorer(name)

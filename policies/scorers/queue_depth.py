@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.scheduling.framework import PluginContext
 from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
@@ -42,6 +43,6 @@ class QueueDepthScorer:
         return {e: (high - q) / span for e, q in queues.items()}
 
 
-def create(name: str, parameters: Mapping[str, Any]) -> QueueDepthScorer:
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> QueueDepthScorer:
     Params(parameters).done()
     return QueueDepthScorer(name)

@@ -1,0 +1,140 @@
+"""The gateway's view of what each replica holds in its prefix cache.
+
+Ties the request (its block hashes, computed once), the index backend (memory or
+Redis), and the replicas' real capacities together, and closes the loop with what
+the replica reports back: ``usage.prompt_tokens_details.cached_tokens``. When a
+replica had less cached than we predicted, its cache is smaller (or busier) than the
+index assumes, so the index's capacity for it shrinks (×0.9, floor 25 %); correct
+predictions grow it back slowly (+1 %). None of our peers use that signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.metrics import GatewayMetrics
+from gateway.prefix.hashing import block_hashes
+from gateway.prefix.index import PrefixIndex
+from gateway.types import Endpoint, InferenceRequest
+
+__all__ = ["PrefixCache", "PrefixMatch"]
+
+_MATCH_KEY = "prefix_match"
+_HASHES_KEY = "prefix_hashes"
+CHARS_PER_TOKEN = 4.0
+_TRUST_FLOOR = 0.25
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    prompt_blocks: int
+    matched: dict[Endpoint, int]
+
+    def ratio(self, endpoint: Endpoint) -> float:
+        return self.matched.get(endpoint, 0) / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    def best(self) -> int:
+        return max(self.matched.values(), default=0)
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        metrics: GatewayMetrics,
+        *,
+        block_bytes: int,
+        default_capacity_blocks: int,
+    ) -> None:
+        self.index = index
+        self.block_bytes = block_bytes
+        self._metrics = metrics
+        self._default_capacity = default_capacity_blocks
+        self._engine_capacity: dict[str, int] = {}
+        self._trust: dict[str, float] = {}
+
+    # -- per request ----------------------------------------------------------------
+    def hashes(self, request: InferenceRequest) -> list[int]:
+        hashes = request.attributes.get(_HASHES_KEY)
+        if hashes is None:
+            hashes = block_hashes(request.model, request.prompt_text, self.block_bytes)
+            request.attributes[_HASHES_KEY] = hashes
+        return hashes
+
+    async def match(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> PrefixMatch:
+        """Match once per request; later callers (other scorers, other profiles) reuse it."""
+        cached: PrefixMatch | None = request.attributes.get(_MATCH_KEY)
+        if cached is not None and all(e in cached.matched for e in candidates):
+            return cached
+        hashes = self.hashes(request)
+        by_name = await self.index.match(hashes, [e.name for e in candidates], request.model)
+        match = PrefixMatch(len(hashes), {e: by_name.get(e.name, 0) for e in candidates})
+        request.attributes[_MATCH_KEY] = match
+        if hashes:
+            self._metrics.prefix_predicted_blocks.inc(match.best())
+            self._metrics.prefix_prompt_blocks.inc(len(hashes))
+        return match
+
+    def current_match(self, request: InferenceRequest) -> PrefixMatch | None:
+        return request.attributes.get(_MATCH_KEY)
+
+    def uncached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> float:
+        """Estimated prompt tokens ``endpoint`` would have to prefill for ``request``."""
+        match = self.current_match(request)
+        matched = match.matched.get(endpoint, 0) if match else 0
+        cached_tokens = matched * self.block_bytes / CHARS_PER_TOKEN
+        return max(0.0, request.est_prompt_tokens - cached_tokens)
+
+    def record(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        hashes = self.hashes(request)
+        if hashes:
+            self.index.record(hashes, endpoint.name, request.model)
+            self._metrics.prefix_index_blocks.labels(endpoint.name).set(self.index.size(endpoint.name))
+
+    def observe_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        self._metrics.observed_prompt_tokens.inc(prompt_tokens)
+        self._metrics.observed_cached_tokens.inc(cached_tokens)
+        match = self.current_match(request)
+        if match is None or prompt_tokens <= 0:
+            return
+        predicted_fraction = match.ratio(endpoint)
+        observed_fraction = cached_tokens / prompt_tokens
+        trust = self._trust.get(endpoint.name, 1.0)
+        if predicted_fraction > 0.2 and observed_fraction < predicted_fraction * 0.5:
+            self._metrics.prefix_mispredictions.labels(endpoint.name).inc()
+            trust = max(_TRUST_FLOOR, trust * 0.9)
+        elif predicted_fraction > 0:
+            trust = min(1.0, trust + 0.01)
+        else:
+            return
+        if trust != self._trust.get(endpoint.name, 1.0):
+            self._trust[endpoint.name] = trust
+            self._apply_capacity(endpoint.name)
+
+    # -- fleet changes --------------------------------------------------------------
+    def update_engine_capacity(self, endpoint: Endpoint) -> None:
+        """Derive the index bound from the engine's real KV size (``vllm:cache_config_info``)."""
+        m = endpoint.metrics
+        if m.block_size and m.num_blocks:
+            tokens = m.block_size * m.num_blocks
+            blocks = max(1, int(tokens * CHARS_PER_TOKEN / self.block_bytes))
+            if self._engine_capacity.get(endpoint.name) != blocks:
+                self._engine_capacity[endpoint.name] = blocks
+                self._apply_capacity(endpoint.name)
+
+    def _apply_capacity(self, name: str) -> None:
+        base = self._engine_capacity.get(name, self._default_capacity)
+        self.index.set_capacity(name, max(1, int(base * self._trust.get(name, 1.0))))
+
+    def occupancy(self, endpoint: Endpoint) -> float:
+        """Fraction of the endpoint's (believed) cache the index has filled."""
+        name = endpoint.name
+        return min(1.0, self.index.size(name) / max(1, self.index.capacity(name)))
+
+    async def forget(self, endpoint: Endpoint) -> None:
+        """Endpoint removed, restarted or down: nothing we recorded for it is true any more."""
+        await self.index.purge(endpoint.name, tuple(endpoint.models))
+        self._metrics.prefix_index_blocks.labels(endpoint.name).set(0)

@@ -1,0 +1,31 @@
+"""Chained block hashes of a canonical prompt: equal hash ⇔ equal prefix (for the same model).
+
+The prompt's UTF-8 bytes are cut into fixed-size blocks (default 64 bytes ≈ 16
+tokens, vLLM's default block). Block ``i``'s hash is the xxh3-64 digest of the model
+name and every byte up to the end of block ``i`` — computed incrementally with one
+streaming hasher, which is the chained (parent, block) hash without re-hashing.
+The trailing partial block is not indexed: an engine caches only full blocks too.
+Cost is linear in the prompt length, once per request.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+__all__ = ["DEFAULT_BLOCK_BYTES", "block_hashes"]
+
+DEFAULT_BLOCK_BYTES = 64
+_MODEL_SEPARATOR = b"\x00"
+
+
+def block_hashes(model: str, prompt: str, block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[int]:
+    data = prompt.encode("utf-8", "surrogatepass")
+    hasher = xxhash.xxh3_64(model.encode("utf-8", "surrogatepass") + _MODEL_SEPARATOR)
+    update, digest = hasher.update, hasher.intdigest
+    view = memoryview(data)
+    hashes: list[int] = []
+    append = hashes.append
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        update(view[start : start + block_bytes])
+        append(digest())
+    return hashes

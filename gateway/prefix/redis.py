@@ -1,0 +1,202 @@
+"""Redis-backed prefix index, shared by every gateway instance, with a local fallback.
+
+Key layout (all keys of one model share the hash tag ``{<model>}``, so one request's
+keys sit in one Redis Cluster slot and a single script call answers a match):
+
+    llmgw:{<model>}:ep:<endpoint>   ZSET  member = 8-byte big-endian block hash
+                                          score  = last use, µs since epoch (+ leaf-first offset)
+
+``record`` (Lua, atomic) adds a request's blocks with the root newest, drops entries
+older than the TTL, trims the set to the endpoint's capacity (oldest first) and sets
+the key's TTL. ``match`` (Lua) binary-searches each endpoint's longest prefix, so it
+costs O(endpoints × log blocks) Redis operations in one round trip.
+
+The local :class:`MemoryPrefixIndex` sees every decision this instance makes. When
+Redis is slow (over ``budget_s``) or down, ``match`` answers from it, logs once,
+counts a fallback, and skips Redis for ``retry_after_s`` before trying again — a
+request never fails because of Redis. Writes run in the background, off the
+request's critical path, bounded in number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.prefix.memory import MemoryPrefixIndex
+
+__all__ = ["RedisPrefixIndex", "endpoint_key"]
+
+log = logging.getLogger(__name__)
+
+_MATCH = """
+local min_score = tonumber(ARGV[1])
+local n = #ARGV - 1
+local result = {}
+for k = 1, #KEYS do
+  local low, high = 0, n
+  while low < high do
+    local mid = math.floor((low + high + 1) / 2)
+    local score = redis.call('ZSCORE', KEYS[k], ARGV[mid + 1])
+    if score and tonumber(score) >= min_score then low = mid else high = mid - 1 end
+  end
+  result[k] = low
+end
+return result
+"""
+
+_RECORD = """
+local now = tonumber(ARGV[1])
+local ttl_us = tonumber(ARGV[2])
+local capacity = tonumber(ARGV[3])
+local n = #ARGV - 3
+local args = {}
+for i = 1, n do
+  args[#args + 1] = now + (n - i)
+  args[#args + 1] = ARGV[i + 3]
+end
+for start = 1, #args, 4000 do
+  redis.call('ZADD', KEYS[1], unpack(args, start, math.min(start + 3999, #args)))
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl_us)
+local size = redis.call('ZCARD', KEYS[1])
+if size > capacity then
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, size - capacity - 1)
+end
+redis.call('PEXPIRE', KEYS[1], math.floor(ttl_us / 1000))
+return size
+"""
+
+_PACK = struct.Struct(">Q").pack
+
+
+def endpoint_key(prefix: str, model: str, endpoint: str) -> str:
+    return f"{prefix}:{{{model}}}:ep:{endpoint}"
+
+
+class RedisPrefixIndex:
+    """``PrefixIndex`` over Redis for one model namespace per call (``model`` argument)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        local: MemoryPrefixIndex,
+        *,
+        key_prefix: str = "llmgw",
+        budget_s: float = 0.005,
+        retry_after_s: float = 1.0,
+        max_pending_writes: int = 1024,
+        on_fallback: Callable[[str], None] | None = None,
+        on_latency: Callable[[float], None] | None = None,
+    ) -> None:
+        self._client = client
+        self.local = local
+        self._prefix = key_prefix
+        self._budget_s = budget_s
+        self._retry_after_s = retry_after_s
+        self._max_pending = max_pending_writes
+        self._on_fallback = on_fallback or (lambda reason: None)
+        self._on_latency = on_latency or (lambda seconds: None)
+        self._match_script = client.register_script(_MATCH)
+        self._record_script = client.register_script(_RECORD)
+        self._skip_until = 0.0
+        self._logged_down = False
+        self._pending: set[asyncio.Task[None]] = set()
+        self._models: dict[str, str] = {}  # endpoint → model namespace of its last record
+
+    # -- health of the Redis connection -------------------------------------------------
+    def _available(self) -> bool:
+        return time.monotonic() >= self._skip_until
+
+    def _failed(self, reason: str, exc: BaseException | None) -> None:
+        self._skip_until = time.monotonic() + self._retry_after_s
+        self._on_fallback(reason)
+        if not self._logged_down:
+            self._logged_down = True
+            log.warning("prefix index: Redis %s (%s); using the local index until it is back", reason, exc)
+
+    def _succeeded(self) -> None:
+        if self._logged_down:
+            self._logged_down = False
+            log.warning("prefix index: Redis is back")
+
+    # -- PrefixIndex --------------------------------------------------------------------
+    async def match(self, hashes: Sequence[int], endpoints: Sequence[str], model: str = "") -> dict[str, int]:
+        if not hashes or not endpoints or not self._available():
+            if hashes and endpoints:
+                self._on_fallback("skipped")
+            return self.local.match_now(hashes, endpoints)
+        keys = [endpoint_key(self._prefix, model, e) for e in endpoints]
+        min_score = int((time.time() - self.local.ttl_s) * 1e6)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._budget_s):
+                counts = await self._match_script(keys=keys, args=[min_score, *map(_PACK, hashes)])
+        except TimeoutError as exc:
+            self._failed("timeout", exc)
+            return self.local.match_now(hashes, endpoints)
+        except (RedisError, OSError) as exc:
+            self._failed("error", exc)
+            return self.local.match_now(hashes, endpoints)
+        self._on_latency(time.perf_counter() - started)
+        self._succeeded()
+        return dict(zip(endpoints, (int(c) for c in counts), strict=True))
+
+    def record(self, hashes: Sequence[int], endpoint: str, model: str = "") -> None:
+        self.local.record(hashes, endpoint)
+        if not hashes or not self._available():
+            return
+        if len(self._pending) >= self._max_pending:
+            self._on_fallback("write_dropped")
+            return
+        self._models[endpoint] = model
+        task = asyncio.create_task(self._record_remote(list(hashes), endpoint, model))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _record_remote(self, hashes: list[int], endpoint: str, model: str) -> None:
+        key = endpoint_key(self._prefix, model, endpoint)
+        ttl_us = int(self.local.ttl_s * 1e6)
+        args = [int(time.time() * 1e6), ttl_us, self.local.capacity(endpoint), *map(_PACK, hashes)]
+        try:
+            async with asyncio.timeout(max(self._budget_s * 20, 0.1)):
+                await self._record_script(keys=[key], args=args)
+        except TimeoutError as exc:
+            self._failed("timeout", exc)
+        except (RedisError, OSError) as exc:
+            self._failed("error", exc)
+
+    async def purge(self, endpoint: str, models: Sequence[str] = ()) -> None:
+        await self.local.purge(endpoint)
+        names = set(models) | ({self._models[endpoint]} if endpoint in self._models else set())
+        if not names:
+            return
+        try:
+            async with asyncio.timeout(0.5):
+                await self._client.delete(*(endpoint_key(self._prefix, m, endpoint) for m in names))
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed("error", exc)
+
+    def set_capacity(self, endpoint: str, blocks: int) -> None:
+        self.local.set_capacity(endpoint, blocks)
+
+    def size(self, endpoint: str) -> int:
+        return self.local.size(endpoint)
+
+    def capacity(self, endpoint: str) -> int:
+        return self.local.capacity(endpoint)
+
+    async def flush(self) -> None:
+        """Wait for background writes (tests, shutdown)."""
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush()
+        await self._client.aclose()
