@@ -90,11 +90,11 @@ class Endpoint:
     # Estimated uncached prompt tokens sent but not yet answered with a first chunk.
     pending_prefill_tokens: float = 0.0
     created_at: float = field(default_factory=time.monotonic)
+    # Short label for metrics, headers and index keys: host:port (computed once; hot path).
+    name: str = field(init=False, default="")
 
-    @property
-    def name(self) -> str:
-        """Short label for metrics and headers: host:port."""
-        return self.url.split("://", 1)[-1].rstrip("/")
+    def __post_init__(self) -> None:
+        self.name = self.url.split("://", 1)[-1].rstrip("/")
 
     @property
     def models(self) -> frozenset[str]:

@@ -105,11 +105,13 @@ class Scheduler:
             t0 = time.perf_counter()
             raw = scorer.score(request, candidates)
             self._timer(PluginKind.SCORER, scorer.name).observe(time.perf_counter() - t0)
+            name, weight = scorer.name, weighted.weight
             for endpoint in candidates:
                 value = raw.get(endpoint, 0.0)
-                value = 0.0 if value != value else min(1.0, max(0.0, value))  # NaN → 0, clamp
-                per_plugin[endpoint][scorer.name] = value
-                totals[endpoint] += weighted.weight * value
+                if not 0.0 <= value <= 1.0:  # clamp; NaN fails both bounds and becomes 0
+                    value = 1.0 if value > 1.0 else 0.0
+                per_plugin[endpoint][name] = value
+                totals[endpoint] += weight * value
         scored = [ScoredEndpoint(e, totals[e], per_plugin[e]) for e in candidates]
         t0 = time.perf_counter()
         ranked = profile.picker.pick(request, scored)
