@@ -8,12 +8,13 @@ import uuid
 from aiohttp import web
 
 from gateway.errors import GatewayError, error_response
+from gateway.proxy import STREAM_STARTED
 
 __all__ = ["REQUEST_ID", "error_middleware"]
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = "request_id"
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 _MAX_REQUEST_ID = 128
 
 _HTTP_ERRORS = {
@@ -56,6 +57,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         raise
     except Exception:
         log.exception("request %s: unhandled error", request_id)
+        if request.get(STREAM_STARTED):
+            raise  # headers are out: aiohttp closes the connection, the client sees it end
+
         response = error_response(500, "internal gateway error", "server_error", "internal_error")
     if not response.prepared:
         response.headers["x-request-id"] = request_id

@@ -18,6 +18,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -27,7 +28,7 @@ from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, 
 from gateway.metrics import GatewayMetrics
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
 
-__all__ = ["Proxy", "RequestHooks", "extract_usage"]
+__all__ = ["STREAM_STARTED", "Proxy", "RequestHooks", "extract_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,17 @@ def extract_usage(payload: bytes) -> tuple[int, int] | None:
     return int(prompt[-1]), int(cached[-1]) if cached else 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    started: float  # time.monotonic() at arrival, for latency metrics
+    deadline: float  # loop time by which the whole request must end
+
+
+# Set on the aiohttp request once response headers went out: from then on no error
+# response can be sent, only an in-band SSE error event.
+STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, response: web.Response | None = None) -> None:
         super().__init__(reason)
@@ -108,16 +120,18 @@ class Proxy:
         ranked = [s.endpoint for s in result.ranked]
         attempts = ranked[: 1 + self._limits.retries]
         last_failure: _Retryable | None = None
-        started = time.monotonic()
-        async with asyncio.timeout(self._timeouts.total_s):
-            for index, endpoint in enumerate(attempts):
-                if index > 0:
-                    self._metrics.retries.labels(last_failure.reason if last_failure else "unknown").inc()
-                    log.info("request %s: retrying on %s", request.request_id, endpoint.name)
-                try:
-                    return await self._attempt(http_request, request, endpoint, extra_headers, started)
-                except _Retryable as failure:
-                    last_failure = failure
+        loop = asyncio.get_running_loop()
+        # One hard deadline for the whole request; every wait below is capped by it,
+        # so a committed stream still ends cleanly (error event + [DONE]) at the limit.
+        attempt = _Attempt(started=time.monotonic(), deadline=loop.time() + self._timeouts.total_s)
+        for index, endpoint in enumerate(attempts):
+            if index > 0:
+                self._metrics.retries.labels(last_failure.reason if last_failure else "unknown").inc()
+                log.info("request %s: retrying on %s", request.request_id, endpoint.name)
+            try:
+                return await self._attempt(http_request, request, endpoint, extra_headers, attempt)
+            except _Retryable as failure:
+                last_failure = failure
         assert last_failure is not None
         if last_failure.response is not None:
             return last_failure.response  # the last upstream's own 5xx, passed through
@@ -132,30 +146,29 @@ class Proxy:
         request: InferenceRequest,
         endpoint: Endpoint,
         extra_headers: dict[str, str],
-        started: float,
+        attempt: _Attempt,
     ) -> web.StreamResponse:
         self._hooks.on_send(request, endpoint)
         ok = False
         upstream: aiohttp.ClientResponse | None = None
         try:
-            upstream = await self._open(request, endpoint)
+            upstream = await self._open(request, endpoint, attempt)
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
             if upstream.status >= 500:
-                body = await upstream.read()
-                self._metrics.upstream_errors.labels(endpoint.name, f"http_{upstream.status}").inc()
-                response = web.Response(status=upstream.status, body=body, headers=headers)
-                response.content_type = upstream.content_type
-                raise _Retryable(f"http_{upstream.status}", response)
+                raise await self._server_error(endpoint, upstream, headers, attempt)
             if request.stream and upstream.status == 200:
                 response, complete = await self._stream(
-                    http_request, request, endpoint, upstream, headers, started
+                    http_request, request, endpoint, upstream, headers, attempt
                 )
             else:
-                response = await self._buffered(request, endpoint, upstream, headers, started)
+                response = await self._buffered(request, endpoint, upstream, headers, attempt)
                 complete = True
             ok = complete and upstream.status < 400
             self._metrics.requests.labels(request.model, endpoint.name, str(response.status)).inc()
             return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
+            raise
         finally:
             if upstream is not None:
                 # Not a clean end (error, timeout, client gone): close the socket so the
@@ -166,10 +179,16 @@ class Proxy:
                     upstream.close()
             self._hooks.on_done(request, endpoint, ok)
 
-    async def _open(self, request: InferenceRequest, endpoint: Endpoint) -> aiohttp.ClientResponse:
+    def _wait_limit(self, attempt: _Attempt, budget_s: float) -> float:
+        """Absolute loop time to stop waiting: ``budget_s`` from now, never past the deadline."""
+        return min(asyncio.get_running_loop().time() + budget_s, attempt.deadline)
+
+    async def _open(
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt
+    ) -> aiohttp.ClientResponse:
         headers = {"content-type": "application/json", "x-request-id": request.request_id}
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
                 return await self._session.post(
                     endpoint.url + request.api.upstream_path,
                     data=request.raw_body,
@@ -178,14 +197,31 @@ class Proxy:
                 )
         except TimeoutError:
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
-            raise UpstreamTimeout(
-                f"endpoint {endpoint.name} did not answer within {self._timeouts.first_byte_s}s"
-            ) from None
+            raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
         except aiohttp.ClientConnectionError as exc:
             self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
             if self._on_connect_failure and isinstance(exc, aiohttp.ClientConnectorError):
                 self._on_connect_failure(endpoint)
             raise _Retryable("connect") from exc
+
+    async def _server_error(
+        self,
+        endpoint: Endpoint,
+        upstream: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        attempt: _Attempt,
+    ) -> _Retryable:
+        """A 5xx before the first byte: retryable; keep its body to pass on if no retry succeeds."""
+        reason = f"http_{upstream.status}"
+        self._metrics.upstream_errors.labels(endpoint.name, reason).inc()
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
+                body = await upstream.read()
+        except (TimeoutError, aiohttp.ClientError):
+            return _Retryable(reason)  # its body stalled or broke: nothing worth passing on
+        response = web.Response(status=upstream.status, body=body, headers=headers)
+        response.content_type = upstream.content_type
+        return _Retryable(reason, response)
 
     async def _buffered(
         self,
@@ -193,10 +229,10 @@ class Proxy:
         endpoint: Endpoint,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
-        started: float,
+        attempt: _Attempt,
     ) -> web.Response:
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
                 body = await upstream.read()
         except TimeoutError:
             raise UpstreamTimeout("upstream response body timed out") from None
@@ -209,7 +245,7 @@ class Proxy:
         response.content_type = upstream.content_type
         if upstream.charset:
             response.charset = upstream.charset
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - attempt.started
         self._metrics.ttft.labels(request.model).observe(elapsed)
         self._metrics.e2e.labels(request.model).observe(elapsed)
         return response
@@ -221,37 +257,41 @@ class Proxy:
         endpoint: Endpoint,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
-        started: float,
+        attempt: _Attempt,
     ) -> tuple[web.StreamResponse, bool]:
         """Pipe the SSE stream; returns the response and whether it ended cleanly."""
         response = web.StreamResponse(status=200, headers=headers)
         response.content_type = upstream.content_type or "text/event-stream"
         response.headers["cache-control"] = "no-cache"
         await response.prepare(http_request)
-        loop = asyncio.get_running_loop()
+        http_request[STREAM_STARTED] = True
         first = True
         failure: str | None = None
         content = upstream.content
+        idle_s = self._timeouts.idle_s
         previous = last = b""  # the usage object sits in the last chunks of the stream
         try:
-            async with asyncio.timeout_at(loop.time() + self._timeouts.first_byte_s) as deadline:
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
                 while True:
-                    chunk = await content.readany()
+                    try:
+                        chunk = await content.readany()
+                    except aiohttp.ClientPayloadError as exc:
+                        failure = f"upstream stream broke: {exc}"
+                        break
+                    except aiohttp.ClientConnectionError as exc:
+                        failure = f"upstream connection lost: {exc}"
+                        break
                     if not chunk:
                         break
-                    await response.write(chunk)
+                    await response.write(chunk)  # a client that left raises here, on purpose
                     previous, last = last, chunk
                     if first:
                         first = False
-                        self._metrics.ttft.labels(request.model).observe(time.monotonic() - started)
+                        self._metrics.ttft.labels(request.model).observe(time.monotonic() - attempt.started)
                         self._hooks.on_first_byte(request, endpoint)
-                    deadline.reschedule(loop.time() + self._timeouts.idle_s)
+                    limit.reschedule(self._wait_limit(attempt, idle_s))
         except TimeoutError:
-            failure = "upstream stalled: no data within the idle timeout"
-        except aiohttp.ClientPayloadError as exc:
-            failure = f"upstream stream broke: {exc}"
-        except aiohttp.ClientConnectionError as exc:
-            failure = f"upstream connection lost: {exc}"
+            failure = "upstream stalled: no data within the idle or total timeout"
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
@@ -260,7 +300,7 @@ class Proxy:
         else:
             self._report_usage(request, endpoint, previous[-2048:] + last[-2048:])
         await response.write_eof()
-        self._metrics.e2e.labels(request.model).observe(time.monotonic() - started)
+        self._metrics.e2e.labels(request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
 
     def _report_usage(self, request: InferenceRequest, endpoint: Endpoint, tail: bytes) -> None:

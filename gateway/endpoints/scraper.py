@@ -8,6 +8,7 @@ own parser (no hand-rolled exposition-format parsing).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,6 +75,8 @@ def parse_engine_metrics(text: str, engine: EngineKind) -> ScrapedLoad:
         if field is None:
             continue
         for sample in family.samples:
+            if field != "cache_config" and not math.isfinite(sample.value):
+                continue  # NaN/Inf is "not reported", never a load value
             if field == "cache_config":
                 load.block_size = _int_label(sample.labels, "block_size")
                 load.num_blocks = _int_label(sample.labels, "num_gpu_blocks")

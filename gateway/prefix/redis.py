@@ -77,6 +77,7 @@ redis.call('PEXPIRE', KEYS[1], math.floor(ttl_us / 1000))
 return size
 """
 
+
 def _pack(hashes: Sequence[int]) -> bytes:
     return struct.pack(f">{len(hashes)}Q", *hashes)
 

@@ -125,4 +125,10 @@ def build_scheduler(config: GatewayConfig, registry: PluginRegistry, context: Pl
         if spec.name in profiles:
             raise ConfigError(f"profiles.{p_index}.name: duplicate profile {spec.name!r}")
         profiles[spec.name] = Profile(spec.name, tuple(filters), tuple(scorers), picker)
+    for name in handler.profiles_used():
+        if name not in profiles:
+            raise ConfigError(
+                f"plugins: profile handler {handler.name!r} names unknown profile {name!r}"
+                f" (defined: {sorted(profiles)})"
+            )
     return Scheduler(profiles, handler, context.metrics)

@@ -98,3 +98,7 @@ class ProfileHandler(Protocol):
     def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
         """The profile whose ranking the proxy sends the (main/decode) request with."""
         ...
+
+    def profiles_used(self) -> tuple[str, ...]:
+        """Profile names this handler refers to by name; checked against the config at start-up."""
+        ...

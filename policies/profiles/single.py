@@ -27,6 +27,9 @@ class SingleProfileHandler:
             return []
         return [self.profile or profiles[0]]
 
+    def profiles_used(self) -> tuple[str, ...]:
+        return (self.profile,) if self.profile else ()
+
     def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
         return next(iter(results))
 

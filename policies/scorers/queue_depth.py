@@ -9,6 +9,7 @@ in-flight count alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,8 +22,8 @@ TYPE_NAME = "queue-depth"
 
 def effective_queue(endpoint: Endpoint) -> float:
     metrics = endpoint.metrics
-    if metrics.fresh() and metrics.waiting is not None:
-        running = metrics.running or 0.0
+    if metrics.fresh() and metrics.waiting is not None and math.isfinite(metrics.waiting):
+        running = metrics.running if metrics.running is not None and math.isfinite(metrics.running) else 0.0
         # Requests the gateway has in flight beyond what the engine reported as running
         # or waiting have arrived since the scrape: count them as queued.
         unseen = max(0.0, endpoint.in_flight - running - metrics.waiting)

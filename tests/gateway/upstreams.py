@@ -1,0 +1,221 @@
+"""Tiny controllable OpenAI-compatible upstreams for what the simulator cannot express.
+
+One aiohttp app, real sockets, behaviour switched by attributes the test sets:
+
+- ``mode = "ok"``: answers chat / completions / embeddings (SSE when ``stream``);
+- ``mode = "gated"``: streams the first SSE chunk, then waits on ``gate`` before the rest;
+- ``mode = "hold"``: streams the first chunk (or, non-streaming, nothing at all) and then
+  waits forever; ``cancelled`` is set when the handler is cancelled (connection closed);
+- ``mode = "die"``: sends the headers and the first bytes, then aborts the TCP connection;
+- ``mode = "status"``: answers ``status`` with ``body`` byte for byte (4xx / 5xx cases);
+- ``mode = "status-stall"``: sends ``status`` and the headers, then stalls inside the body.
+
+``metrics_text`` is served on ``/metrics`` (``metrics_mode`` "ok" | "error" | "hang"),
+``healthy`` drives ``/health``, and every inference request is recorded in ``requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["Received", "Upstream", "running_upstream", "vllm_metrics"]
+
+CHUNKS = ("Hello", " from", " the", " upstream")
+
+
+def vllm_metrics(waiting: float = 0.0, running: float = 0.0, kv: float = 0.0, model: str = "tiny") -> str:
+    """A minimal vLLM-style /metrics page with the families the gateway reads."""
+    labels = f'engine="0",model_name="{model}"'
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {running}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{labels}}} {waiting}\n"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{labels}}} {kv}\n"
+    )
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]  # lower-cased names
+    raw: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.raw)
+
+
+class Upstream:
+    def __init__(self, models: tuple[str, ...] = ("tiny",), metrics_text: str | None = None) -> None:
+        self.models = list(models)
+        self.metrics_text = vllm_metrics(model=models[0]) if metrics_text is None else metrics_text
+        self.metrics_mode = "ok"
+        self.healthy = True
+        self.mode = "ok"
+        self.status = 400
+        self.body = b'{"error": {"message": "upstream says no", "type": "BadRequestError"}}'
+        self.content_type = "application/json"
+        self.gate = asyncio.Event()
+        self.first_chunk_sent = asyncio.Event()
+        self.rest_sent = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.requests: list[Received] = []
+        self.url = ""
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    # ---- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            app.router.add_post(path, self._inference)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        """Close the listening socket and every connection: the port then refuses."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[1]
+
+    # ---- handlers ----------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tiny"} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_mode == "error":
+            return web.Response(status=500, text="broken")
+        if self.metrics_mode == "hang":
+            await asyncio.Event().wait()
+        return web.Response(text=self.metrics_text, content_type="text/plain")
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append(Received(request.path, {k.lower(): v for k, v in request.headers.items()}, raw))
+        if self.mode == "status":
+            return web.Response(status=self.status, body=self.body, content_type=self.content_type)
+        if self.mode == "status-stall":  # status line and headers, then the body never comes
+            resp = web.StreamResponse(status=self.status, headers={"Content-Type": self.content_type})
+            resp.content_length = len(self.body) + 1
+            await resp.prepare(request)
+            await resp.write(self.body[:1])
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        body = json.loads(raw)
+        model = body.get("model", "")
+        if request.path == "/v1/embeddings":
+            data = [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5, 1.0]}]
+            usage = {"prompt_tokens": 2, "total_tokens": 2}
+            return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+        chat = request.path == "/v1/chat/completions"
+        try:
+            if body.get("stream"):
+                return await self._stream(request, chat, model)
+            return await self._complete(request, chat, model)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def _complete(self, request: web.Request, chat: bool, model: str) -> web.StreamResponse:
+        if self.mode == "hold":
+            await asyncio.Event().wait()
+        if self.mode == "die":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 4096
+            await resp.prepare(request)
+            await resp.write(b'{"id": "cmpl-partial", ')
+            self._abort(request)
+            return resp
+        text = "".join(CHUNKS)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text}
+            obj = "text_completion"
+        choice.update(finish_reason="stop", logprobs=None)
+        usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        out = {"id": "cmpl-1", "object": obj, "created": 0, "model": model, "choices": [choice]}
+        return web.json_response({**out, "usage": usage})
+
+    async def _stream(self, request: web.Request, chat: bool, model: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(index: int) -> None:
+            text = CHUNKS[index]
+            finish = "stop" if index == len(CHUNKS) - 1 else None
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text}
+                obj = "text_completion"
+            choice.update(finish_reason=finish, logprobs=None)
+            payload = {"id": "cmpl-1", "object": obj, "created": 0, "model": model, "choices": [choice]}
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        await send(0)
+        self.first_chunk_sent.set()
+        if self.mode == "gated":
+            await self.gate.wait()
+        elif self.mode == "hold":
+            await asyncio.Event().wait()
+        elif self.mode == "die":
+            self._abort(request)
+            return resp
+        for index in range(1, len(CHUNKS)):
+            await send(index)
+        await resp.write(b"data: [DONE]\n\n")
+        self.rest_sent.set()
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _abort(request: web.Request) -> None:
+        transport = request.transport
+        assert transport is not None
+        transport.abort()
+
+
+@contextlib.asynccontextmanager
+async def running_upstream(
+    models: tuple[str, ...] = ("tiny",), metrics_text: str | None = None
+) -> AsyncIterator[Upstream]:
+    upstream = Upstream(models, metrics_text)
+    await upstream.start()
+    try:
+        yield upstream
+    finally:
+        upstream.gate.set()
+        await upstream.stop()

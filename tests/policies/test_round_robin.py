@@ -1,0 +1,40 @@
+"""Picker ``round-robin``."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.config import ConfigError
+from tests.policies.helpers import endpoint, make_plugin, request, scored
+
+
+def test_cycles_in_url_order_whatever_the_input_order_and_scores():
+    picker = make_plugin("round-robin")
+    a, b, c = endpoint(1), endpoint(2), endpoint(3)
+    inputs = [((c, 9.0), (a, 0.0), (b, 1.0)), ((b, 0.0), (c, 0.0), (a, 5.0))]
+    rankings = [[s.endpoint for s in picker.pick(request(), scored(*inputs[i % 2]))] for i in range(6)]
+    assert rankings == [[a, b, c], [b, c, a], [c, a, b]] * 2
+
+
+def test_spreads_exactly_evenly():
+    picker = make_plugin("round-robin")
+    fleet = [endpoint(i) for i in range(1, 5)]
+    firsts = Counter(
+        picker.pick(request(), scored(*((e, 0.0) for e in fleet)))[0].endpoint for _ in range(40)
+    )
+    assert firsts == dict.fromkeys(fleet, 10)
+
+
+def test_instances_keep_separate_counters():
+    one, two = make_plugin("round-robin"), make_plugin("round-robin")
+    a, b = endpoint(1), endpoint(2)
+    assert one.pick(request(), scored((a, 0), (b, 0)))[0].endpoint is a
+    assert one.pick(request(), scored((a, 0), (b, 0)))[0].endpoint is b
+    assert two.pick(request(), scored((a, 0), (b, 0)))[0].endpoint is a
+
+
+def test_rejects_parameters():
+    with pytest.raises(ConfigError, match=r"plugins\.0\.parameters\.start"):
+        make_plugin("round-robin", {"start": 1})
