@@ -16,12 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "AdmissionConfig",
     "ConfigError",
     "EndpointConfig",
     "GatewayConfig",
     "PluginSpec",
     "PrefixConfig",
     "ProfileSpec",
+    "SessionConfig",
     "load_config",
 ]
 
@@ -101,6 +103,47 @@ class PrefixConfig(_Strict):
     redis_retry_after_s: float = Field(1.0, gt=0)
 
 
+class SessionConfig(_Strict):
+    header: str = "x-session-id"
+    body_fields: list[str] = Field(
+        default_factory=lambda: ["user"], description="body fields tried in order after the header"
+    )
+    ttl_s: float = Field(1800.0, gt=0, description="refreshed on every use")
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "llmgw"
+    max_sessions: int = Field(1_000_000, ge=1, description="memory backend bound (LRU)")
+    redis_budget_s: float = Field(0.005, gt=0)
+    token_header: str | None = Field(
+        "x-session-token", description="response/request header with a signed replica token; null = off"
+    )
+    token_secret: str | None = Field(None, description="shared by all instances; default: random per process")
+
+
+class DegradeConfig(_Strict):
+    sheddable_max_tokens: int | None = Field(
+        None, ge=1, description="under pressure, clamp sheddable requests' max_tokens to this"
+    )
+    fallback_model: str | None = Field(
+        None, description="when a sheddable request's pool is saturated, serve it with this model"
+    )
+
+
+class AdmissionConfig(_Strict):
+    enabled: bool = True
+    priority_header: str = "x-priority"
+    tenant_header: str = "x-tenant-id"
+    queue_depth_threshold: float = Field(5, ge=0, description="waiting requests that saturate a replica")
+    kv_utilization_threshold: float = Field(0.8, gt=0, le=1)
+    queue_timeout_s: float = Field(10.0, gt=0)
+    max_queue: int = Field(1024, ge=0)
+    critical_max_concurrency: int = Field(256, ge=1)
+    max_concurrency: int = Field(0, ge=0, description="global in-flight cap; 0 = none")
+    endpoint_max_concurrency: int = Field(0, ge=0, description="per-endpoint in-flight cap; 0 = none")
+    retry_after_s: float = Field(1.0, gt=0)
+    degrade: DegradeConfig = Field(default_factory=DegradeConfig)
+
+
 class PluginSpec(_Strict):
     type: str
     name: str | None = None
@@ -129,6 +172,8 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     limits: LimitConfig = Field(default_factory=LimitConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import BadRequest
 from gateway.types import ApiKind, InferenceRequest
 
-__all__ = ["PRIORITIES", "canonical_chat_prompt", "parse_request"]
+__all__ = ["DEFAULT_OPTIONS", "PRIORITIES", "ParseOptions", "canonical_chat_prompt", "parse_request"]
 
 PRIORITIES = ("critical", "standard", "sheddable")
 # Separators that cannot appear in JSON-decoded text by accident in a way that
@@ -96,14 +97,37 @@ def _embedding_input(value: Any) -> str:
     raise BadRequest("'input' must be a non-empty string or list", param="input")
 
 
+@dataclass(frozen=True, slots=True)
+class ParseOptions:
+    """Where session, priority and tenant come from (configurable names)."""
+
+    session_header: str = "x-session-id"
+    session_body_fields: tuple[str, ...] = ("user",)
+    priority_header: str = "x-priority"
+    tenant_header: str = "x-tenant-id"
+
+
+DEFAULT_OPTIONS = ParseOptions()
+
+
+def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
+    session_id = headers.get(options.session_header)
+    if session_id:
+        return session_id
+    for field_name in options.session_body_fields:
+        value = body.get(field_name)
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return str(value)
+    return None
+
+
 def parse_request(
     api: ApiKind,
     raw_body: bytes,
     *,
     request_id: str,
     headers: Mapping[str, str],
-    session_header: str = "x-session-id",
-    priority_header: str = "x-priority",
+    options: ParseOptions = DEFAULT_OPTIONS,
 ) -> InferenceRequest:
     try:
         body = json.loads(raw_body)
@@ -131,15 +155,12 @@ def parse_request(
         prompt = _embedding_input(body.get("input"))
         stream = False
 
+    priority_header = options.priority_header
     priority = headers.get(priority_header, "standard").strip().lower() or "standard"
     if priority not in PRIORITIES:
         raise BadRequest(
             f"header {priority_header}: {priority!r} is not one of {list(PRIORITIES)}", param=priority_header
         )
-    session_id = headers.get(session_header)
-    user = body.get("user")
-    if session_id is None and isinstance(user, str) and user:
-        session_id = user
     return InferenceRequest(
         request_id=request_id,
         api=api,
@@ -149,8 +170,9 @@ def parse_request(
         stream=stream,
         prompt_text=prompt,
         est_prompt_tokens=max(1, len(prompt) // CHARS_PER_TOKEN),
-        session_id=session_id,
+        session_id=_session_id(headers, body, options),
         priority=priority,
+        tenant=headers.get(options.tenant_header) or "default",
         debug=headers.get("x-gateway-debug") == "1",
         headers=headers,
     )

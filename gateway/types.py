@@ -58,6 +58,7 @@ class EndpointMetrics:
     block_size: int | None = None
     num_blocks: int | None = None
     scraped_at: float = 0.0  # monotonic time of the last successful scrape
+    in_flight_at_scrape: int = 0  # the gateway's own in-flight count when that scrape landed
     stale: bool = True
 
     def fresh(self) -> bool:
@@ -121,6 +122,7 @@ class InferenceRequest:
     est_prompt_tokens: int
     session_id: str | None = None
     priority: str = "standard"
+    tenant: str = "default"
     debug: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     # Filled lazily by plugins that need them (e.g. prefix hashes) and shared across profiles.

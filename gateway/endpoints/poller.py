@@ -73,6 +73,7 @@ class MetricsPoller:
         if load.block_size is not None:
             m.block_size, m.num_blocks = load.block_size, load.num_blocks
         m.scraped_at = time.monotonic()
+        m.in_flight_at_scrape = endpoint.in_flight
         m.stale = False
         self._metrics.endpoint_waiting.labels(endpoint.name).set(load.waiting or 0)
         self._metrics.endpoint_running.labels(endpoint.name).set(load.running or 0)

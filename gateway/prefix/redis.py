@@ -4,9 +4,11 @@ Key layout (all keys of one model share the hash tag ``{<model>}``, so one reque
 keys sit in one Redis Cluster slot and a single script call answers a match):
 
     <prefix>:{<model>}:ep:<endpoint>   ZSET  member = 8-byte big-endian block hash
-                                          score  = last use, µs since epoch (+ leaf-first offset)
+                                          score  = last use in µs since epoch, minus the block's
+                                                   position (the root is the newest block)
 
-``record`` (Lua, atomic) adds a request's blocks with the root newest, drops entries
+``record`` (Lua, atomic) adds a request's blocks with the root newest (``ZADD GT``:
+scores never go down, so "parent at least as recent as child" holds), drops entries
 older than the TTL, trims the set to the endpoint's capacity (oldest first) and sets
 the key's TTL. ``match`` (Lua) binary-searches each endpoint's longest prefix, so it
 costs O(endpoints × log blocks) Redis operations in one round trip.
@@ -24,7 +26,8 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -62,11 +65,13 @@ local blob = ARGV[4]
 local n = #blob / 8
 local args = {}
 for i = 1, n do
-  args[#args + 1] = now + (n - i)
+  args[#args + 1] = now - i
   args[#args + 1] = string.sub(blob, i * 8 - 7, i * 8)
 end
 for start = 1, #args, 4000 do
-  redis.call('ZADD', KEYS[1], unpack(args, start, math.min(start + 3999, #args)))
+  -- GT: scores only ever rise (new members are still added), so a parent stays newer
+  -- than its children across records, instances and small clock skews.
+  redis.call('ZADD', KEYS[1], 'GT', unpack(args, start, math.min(start + 3999, #args)))
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl_us)
 local size = redis.call('ZCARD', KEYS[1])
@@ -114,7 +119,7 @@ class RedisPrefixIndex:
         self._skip_until = 0.0
         self._logged_down = False
         self._pending: set[asyncio.Task[None]] = set()
-        self._models: dict[str, str] = {}  # endpoint → model namespace of its last record
+        self._models: dict[str, set[str]] = {}  # endpoint → model namespaces it was recorded under
 
     # -- health of the Redis connection -------------------------------------------------
     def _available(self) -> bool:
@@ -152,7 +157,10 @@ class RedisPrefixIndex:
             return self.local.match_now(hashes, endpoints)
         self._on_latency(time.perf_counter() - started)
         self._succeeded()
-        return dict(zip(endpoints, (int(c) for c in counts), strict=True))
+        # What this instance itself sent is known locally even when Redis lost it
+        # (e.g. Redis restarted empty): take the better of the two views.
+        local = self.local.match_now(hashes, endpoints)
+        return {e: max(int(c), local[e]) for e, c in zip(endpoints, counts, strict=True)}
 
     def record(self, hashes: Sequence[int], endpoint: str, model: str = "") -> None:
         self.local.record(hashes, endpoint)
@@ -161,10 +169,8 @@ class RedisPrefixIndex:
         if len(self._pending) >= self._max_pending:
             self._on_fallback("write_dropped")
             return
-        self._models[endpoint] = model
-        task = asyncio.create_task(self._record_remote(list(hashes), endpoint, model))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._models.setdefault(endpoint, set()).add(model)
+        self._spawn(self._record_remote(list(hashes), endpoint, model))
 
     async def _record_remote(self, hashes: list[int], endpoint: str, model: str) -> None:
         key = endpoint_key(self._prefix, model, endpoint)
@@ -180,7 +186,7 @@ class RedisPrefixIndex:
 
     async def purge(self, endpoint: str, models: Sequence[str] = ()) -> None:
         await self.local.purge(endpoint)
-        names = set(models) | ({self._models[endpoint]} if endpoint in self._models else set())
+        names = set(models) | self._models.pop(endpoint, set())
         if not names:
             return
         try:
@@ -191,6 +197,30 @@ class RedisPrefixIndex:
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
         self.local.set_capacity(endpoint, blocks)
+        models = self._models.get(endpoint)
+        if models and self._available():
+            keys = [endpoint_key(self._prefix, m, endpoint) for m in models]
+            self._spawn(self._trim_remote(keys, self.local.capacity(endpoint)))
+
+    async def _trim_remote(self, keys: list[str], capacity: int) -> None:
+        try:
+            async with asyncio.timeout(0.5):
+                for key in keys:  # one key per model: each in its own cluster slot
+                    await self._client.zremrangebyrank(key, 0, -capacity - 1)
+        except TimeoutError as exc:
+            self._failed("timeout", exc)
+        except (RedisError, OSError) as exc:
+            self._failed("error", exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (configuration time): the next record trims instead
+            coro.close()
+            return
+        task = loop.create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def size(self, endpoint: str) -> int:
         return self.local.size(endpoint)

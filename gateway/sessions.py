@@ -1,0 +1,184 @@
+"""Sticky sessions: session id → the replica that holds its warm cache, with a TTL.
+
+Two stores behind one protocol: in memory (bounded LRU, the default) and Redis
+(shared by gateway instances). Like the prefix index, the Redis store mirrors every
+pin locally and answers from that copy when Redis is slow or down — a request never
+fails because of Redis.
+
+Clients that cannot send a session id can stick with the opaque token the gateway
+returns (``x-session-token``): the replica's name plus an HMAC, so a client can replay
+its own token but cannot forge one that picks an arbitrary backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+__all__ = ["MemorySessionStore", "RedisSessionStore", "SessionStore", "SessionTokens"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionStore(Protocol):
+    async def get(self, session_id: str) -> str | None:
+        """The endpoint name the session is pinned to, if the pin is alive."""
+        ...
+
+    def pin(self, session_id: str, endpoint: str) -> None:
+        """Pin (or re-pin) and refresh the TTL. Never waits: remote writes run later."""
+        ...
+
+    def active(self) -> int:
+        """Sessions this instance knows to be alive (the local view)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemorySessionStore:
+    def __init__(self, ttl_s: float, max_sessions: int) -> None:
+        self.ttl_s = ttl_s
+        self._max = max_sessions
+        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (endpoint, expires)
+
+    def get_now(self, session_id: str) -> str | None:
+        entry = self._pins.get(session_id)
+        if entry is None:
+            return None
+        endpoint, expires = entry
+        if expires < time.monotonic():
+            del self._pins[session_id]
+            return None
+        return endpoint
+
+    async def get(self, session_id: str) -> str | None:
+        return self.get_now(session_id)
+
+    def pin(self, session_id: str, endpoint: str) -> None:
+        self._pins[session_id] = (endpoint, time.monotonic() + self.ttl_s)
+        self._pins.move_to_end(session_id)
+        while len(self._pins) > self._max:
+            self._pins.popitem(last=False)
+
+    def active(self) -> int:
+        return len(self._pins)
+
+    async def close(self) -> None:
+        self._pins.clear()
+
+
+class RedisSessionStore:
+    """Keys ``<prefix>:session:{<id>}`` → endpoint name, with ``EX ttl`` refreshed on every pin."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        local: MemorySessionStore,
+        *,
+        key_prefix: str = "llmgw",
+        budget_s: float = 0.005,
+        retry_after_s: float = 1.0,
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
+        self._client = client
+        self.local = local
+        self._prefix = key_prefix
+        self._budget_s = budget_s
+        self._retry_after_s = retry_after_s
+        self._on_fallback = on_fallback or (lambda reason: None)
+        self._skip_until = 0.0
+        self._logged_down = False
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def _key(self, session_id: str) -> str:
+        return f"{self._prefix}:session:{{{session_id}}}"
+
+    def _failed(self, reason: str, exc: BaseException) -> None:
+        self._skip_until = time.monotonic() + self._retry_after_s
+        self._on_fallback(reason)
+        if not self._logged_down:
+            self._logged_down = True
+            log.warning("session store: Redis %s (%s); using local pins until it is back", reason, exc)
+
+    async def get(self, session_id: str) -> str | None:
+        if time.monotonic() < self._skip_until:
+            self._on_fallback("skipped")
+            return self.local.get_now(session_id)
+        try:
+            async with asyncio.timeout(self._budget_s):
+                value = await self._client.get(self._key(session_id))
+        except TimeoutError as exc:
+            self._failed("timeout", exc)
+            return self.local.get_now(session_id)
+        except (RedisError, OSError) as exc:
+            self._failed("error", exc)
+            return self.local.get_now(session_id)
+        self._logged_down = False
+        return value.decode() if value is not None else None
+
+    def pin(self, session_id: str, endpoint: str) -> None:
+        self.local.pin(session_id, endpoint)
+        if time.monotonic() < self._skip_until or len(self._pending) > 1024:
+            return
+        task = asyncio.get_running_loop().create_task(self._pin_remote(session_id, endpoint))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _pin_remote(self, session_id: str, endpoint: str) -> None:
+        try:
+            async with asyncio.timeout(max(0.1, self._budget_s * 20)):
+                await self._client.set(self._key(session_id), endpoint, px=int(self.local.ttl_s * 1000))
+        except TimeoutError as exc:
+            self._failed("timeout", exc)
+        except (RedisError, OSError) as exc:
+            self._failed("error", exc)
+
+    def active(self) -> int:
+        return self.local.active()
+
+    async def flush(self) -> None:
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush()
+        await self._client.aclose()
+
+
+class SessionTokens:
+    """Opaque, signed replica tokens: ``base64url(endpoint) . hmac[:16]``."""
+
+    def __init__(self, secret: str | None) -> None:
+        self._key = (secret or secrets.token_hex(32)).encode()
+
+    def _mac(self, payload: bytes) -> str:
+        return hmac.new(self._key, payload, hashlib.sha256).hexdigest()[:32]
+
+    def issue(self, endpoint: str) -> str:
+        payload = endpoint.encode()
+        return base64.urlsafe_b64encode(payload).decode().rstrip("=") + "." + self._mac(payload)
+
+    def verify(self, token: str) -> str | None:
+        """The endpoint name if the token is ours and intact, else None."""
+        encoded, _, mac = token.partition(".")
+        if not encoded or not mac or len(token) > 512:
+            return None
+        try:
+            payload = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+        except ValueError:
+            return None
+        if not hmac.compare_digest(mac, self._mac(payload)):
+            return None
+        return payload.decode(errors="replace")
