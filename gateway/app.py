@@ -10,30 +10,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
 
-from gateway.config import GatewayConfig, PrefixConfig
+from gateway.admission import AdmissionController
+from gateway.config import GatewayConfig, PrefixConfig, SessionConfig
 from gateway.endpoints.health import HealthChecker
 from gateway.endpoints.poller import MetricsPoller
 from gateway.endpoints.registry import EndpointRegistry, endpoint_from_config
 from gateway.handlers import add_routes
-from gateway.hooks import HookChain, InFlightHook, PrefixHook
+from gateway.hooks import HookChain, InFlightHook, PrefixHook, SessionHook
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_middleware
+from gateway.parsing import ParseOptions
 from gateway.prefix.cache import PrefixCache
 from gateway.prefix.index import PrefixIndex
 from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.proxy import Proxy, RequestHooks
+from gateway.saturation import SaturationDetector
 from gateway.scheduling.build import build_scheduler
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry, default_registry
+from gateway.sessions import MemorySessionStore, RedisSessionStore, SessionStore, SessionTokens
+from gateway.sessions_affinity import SessionAffinity
 from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
 
-__all__ = ["build_app", "build_prefix_index"]
+__all__ = ["build_app", "build_prefix_index", "build_session_store"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,22 @@ def build_prefix_index(config: PrefixConfig, metrics: GatewayMetrics) -> PrefixI
     )
 
 
+def build_session_store(config: SessionConfig, metrics: GatewayMetrics) -> SessionStore:
+    local = MemorySessionStore(ttl_s=config.ttl_s, max_sessions=config.max_sessions)
+    if config.backend == "memory":
+        return local
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    return RedisSessionStore(
+        client,
+        local,
+        key_prefix=config.key_prefix,
+        budget_s=config.redis_budget_s,
+        on_fallback=lambda reason: metrics.session_fallbacks.labels(reason).inc(),
+    )
+
+
 def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
     """Validate and wire everything; raises ConfigError before any socket is opened."""
     metrics = GatewayMetrics()
@@ -70,10 +91,30 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         block_bytes=config.prefix.block_bytes,
         default_capacity_blocks=config.prefix.capacity_blocks,
     )
-    context = PluginContext(metrics=metrics, prefix=prefix)
+    detector = SaturationDetector(config.admission)
+    sessions = SessionAffinity(
+        build_session_store(config.sessions, metrics),
+        SessionTokens(config.sessions.token_secret),
+        detector,
+        metrics,
+        config.sessions.token_header,
+    )
+    context = PluginContext(metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector)
     scheduler = build_scheduler(config, plugin_registry or default_registry(), context)
     state = GatewayState(
-        config=config, registry=registry, metrics=metrics, scheduler=scheduler, prefix=prefix
+        config=config,
+        registry=registry,
+        metrics=metrics,
+        scheduler=scheduler,
+        prefix=prefix,
+        sessions=sessions,
+        admission=AdmissionController(config.admission, detector, metrics, registry.candidates),
+        parse_options=ParseOptions(
+            session_header=config.sessions.header,
+            session_body_fields=tuple(config.sessions.body_fields),
+            priority_header=config.admission.priority_header,
+            tenant_header=config.admission.tenant_header,
+        ),
     )
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
@@ -88,10 +129,11 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
 async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[STATE].prefix.index.close()
+    await app[STATE].sessions.store.close()
 
 
 def _request_hooks(state: GatewayState) -> RequestHooks:
-    hooks: list[RequestHooks] = [InFlightHook(state.metrics)]
+    hooks: list[RequestHooks] = [InFlightHook(state.metrics), SessionHook(state.sessions)]
     if state.scheduler.preparers:  # only policies that read the prefix index pay for hashing
         hooks.append(PrefixHook(state.prefix, state.metrics))
     return HookChain(hooks)
@@ -130,6 +172,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         state.metrics,
         _request_hooks(state),
         on_connect_failure=health.mark_failed,
+        endpoint_headers=state.sessions.response_headers,
     )
     yield
     await asyncio.gather(*forget_tasks, return_exceptions=True)
@@ -145,7 +188,7 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
         state.config.scrape,
         state.metrics,
         on_restart=app[_FORGET],
-        on_scraped=state.prefix.update_engine_capacity,
+        on_scraped=_on_scraped(state),
     )
     # One synchronous round first, so a freshly started gateway is ready at once.
     with contextlib.suppress(TimeoutError):
@@ -153,13 +196,32 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
             await health.check_all()
             if state.config.scrape.enabled:
                 await poller.scrape_all()
-    tasks = [asyncio.create_task(health.run(), name="health-checks")]
+    tasks = [
+        asyncio.create_task(health.run(), name="health-checks"),
+        asyncio.create_task(_admission_ticker(state), name="admission-ticker"),
+    ]
     if state.config.scrape.enabled:
         tasks.append(asyncio.create_task(poller.run(), name="metrics-poller"))
     yield
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _on_scraped(state: GatewayState) -> Callable[[Endpoint], None]:
+    def on_scraped(endpoint: Endpoint) -> None:
+        state.prefix.update_engine_capacity(endpoint)
+        state.admission.publish_saturation((endpoint,))
+        state.admission.wake()
+
+    return on_scraped
+
+
+async def _admission_ticker(state: GatewayState, interval_s: float = 0.05) -> None:
+    """Queued requests are re-considered on releases and scrapes, and at least this often."""
+    while True:
+        await asyncio.sleep(interval_s)
+        state.admission.wake()
 
 
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream_session", aiohttp.ClientSession)

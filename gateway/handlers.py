@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
 from gateway.parsing import parse_request
-from gateway.state import STATE
-from gateway.types import ApiKind
+from gateway.state import STATE, GatewayState
+from gateway.types import ApiKind, Endpoint
 
 __all__ = ["add_routes"]
 
@@ -23,21 +23,37 @@ def _inference_handler(api: ApiKind) -> Handler:
     async def handle(http_request: web.Request) -> web.StreamResponse:
         state = http_request.app[STATE]
         request = parse_request(
-            api, await http_request.read(), request_id=http_request[REQUEST_ID], headers=http_request.headers
+            api,
+            await http_request.read(),
+            request_id=http_request[REQUEST_ID],
+            headers=http_request.headers,
+            options=state.parse_options,
         )
-        candidates = state.registry.candidates(request.model)
-        if not candidates:
-            if not state.registry.is_known_model(request.model):
-                raise ModelNotFound(f"The model {request.model!r} does not exist", param="model")
-            raise NoHealthyEndpoint(f"no healthy endpoint serves model {request.model!r}")
-        result = await state.scheduler.schedule(request, candidates)
-        extra = {"x-request-id": request.request_id}
-        if request.debug:
-            extra["x-gateway-scores"] = result.explain()
-        assert state.proxy is not None
-        return await state.proxy.forward(http_request, request, result, extra)
+        _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
+        ticket = await state.admission.admit(request)
+        try:
+            candidates = _candidates(state, request.model)  # the model may have been degraded
+            result = await state.scheduler.schedule(request, candidates)
+            extra = {"x-request-id": request.request_id}
+            if ticket.degraded:
+                extra["x-gateway-degraded"] = ticket.degraded
+            if request.debug:
+                extra["x-gateway-scores"] = result.explain()
+            assert state.proxy is not None
+            return await state.proxy.forward(http_request, request, result, extra)
+        finally:
+            state.admission.release(ticket)
 
     return handle
+
+
+def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
+    candidates = state.registry.candidates(model)
+    if not candidates:
+        if not state.registry.is_known_model(model):
+            raise ModelNotFound(f"The model {model!r} does not exist", param="model")
+        raise NoHealthyEndpoint(f"no healthy endpoint serves model {model!r}")
+    return candidates
 
 
 async def list_models(http_request: web.Request) -> web.Response:

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from gateway.metrics import GatewayMetrics
 from gateway.prefix.cache import PrefixCache
 from gateway.proxy import RequestHooks
+from gateway.sessions_affinity import SessionAffinity
 from gateway.types import Endpoint, InferenceRequest
 
-__all__ = ["HookChain", "InFlightHook", "PrefixHook"]
+__all__ = ["HookChain", "InFlightHook", "PrefixHook", "SessionHook"]
 
 
 class InFlightHook(RequestHooks):
@@ -98,3 +99,13 @@ class PrefixHook(RequestHooks):
 
 
 _PENDING = "pending_prefill"
+
+
+class SessionHook(RequestHooks):
+    """Pins the request's session to the replica it is sent to (and counts hits and moves)."""
+
+    def __init__(self, affinity: SessionAffinity) -> None:
+        self._affinity = affinity
+
+    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        self._affinity.after_routing(request, endpoint)

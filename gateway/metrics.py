@@ -154,6 +154,46 @@ class GatewayMetrics:
             "Decisions where the endpoint with the best prefix match was not chosen because of load",
             registry=r,
         )
+        self.session_hits = Counter(
+            "llm_gateway_session_hits", "Requests routed to their session's pinned replica", registry=r
+        )
+        self.session_moves = Counter(
+            "llm_gateway_session_moves",
+            "Sessions moved off their pinned replica, by reason (gone, saturated, scored)",
+            ["reason"],
+            registry=r,
+        )
+        self.sessions_active = Gauge(
+            "llm_gateway_sessions_active", "Sessions this instance knows to be pinned", registry=r
+        )
+        self.session_fallbacks = Counter(
+            "llm_gateway_session_store_fallbacks",
+            "Session lookups answered locally because Redis was slow or down",
+            ["reason"],
+            registry=r,
+        )
+        self.admission = Counter(
+            "llm_gateway_admission_decisions",
+            "Admission outcomes by priority class and reason",
+            ["priority", "outcome", "reason"],
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "llm_gateway_admission_queue_length", "Requests waiting for admission", ["priority"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "llm_gateway_admission_queue_wait_seconds",
+            "Time requests spent waiting for admission",
+            ["priority"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.endpoint_saturated = Gauge(
+            "llm_gateway_endpoint_saturated",
+            "1 if the saturation detector considers the endpoint saturated (unknown counts as 0)",
+            ["endpoint"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "llm_gateway_client_disconnects",
             "Requests whose client went away before the response ended",

@@ -99,6 +99,7 @@ class Proxy:
         metrics: GatewayMetrics,
         hooks: RequestHooks,
         on_connect_failure: Callable[[Endpoint], None] | None = None,
+        endpoint_headers: Callable[[InferenceRequest, Endpoint], dict[str, str]] | None = None,
     ) -> None:
         self._session = session
         self._timeouts = timeouts
@@ -106,6 +107,7 @@ class Proxy:
         self._metrics = metrics
         self._hooks = hooks
         self._on_connect_failure = on_connect_failure
+        self._endpoint_headers = endpoint_headers
         self._client_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
         )
@@ -154,6 +156,8 @@ class Proxy:
         try:
             upstream = await self._open(request, endpoint, attempt)
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
+            if self._endpoint_headers is not None:
+                headers.update(self._endpoint_headers(request, endpoint))
             if upstream.status >= 500:
                 raise await self._server_error(endpoint, upstream, headers, attempt)
             if request.stream and upstream.status == 200:

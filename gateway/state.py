@@ -6,12 +6,15 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from gateway.admission import AdmissionController
 from gateway.config import GatewayConfig
 from gateway.endpoints.registry import EndpointRegistry
 from gateway.metrics import GatewayMetrics
+from gateway.parsing import ParseOptions
 from gateway.prefix.cache import PrefixCache
 from gateway.proxy import Proxy
 from gateway.scheduling.scheduler import Scheduler
+from gateway.sessions_affinity import SessionAffinity
 
 __all__ = ["STATE", "GatewayState"]
 
@@ -23,6 +26,9 @@ class GatewayState:
     metrics: GatewayMetrics
     scheduler: Scheduler
     prefix: PrefixCache
+    sessions: SessionAffinity
+    admission: AdmissionController
+    parse_options: ParseOptions
     proxy: Proxy | None = None  # set once the client session exists (app startup)
 
 

@@ -9,13 +9,29 @@ from gateway.scheduling.registry import PluginRegistry
 from policies.filters import healthy, model, role
 from policies.pickers import max_score, random_pick, round_robin
 from policies.profiles import single
-from policies.scorers import cache_room, in_flight, kv_utilization, prefix_affinity, prefix_cost, queue_depth
+from policies.scorers import (
+    cache_room,
+    in_flight,
+    kv_utilization,
+    prefix_affinity,
+    prefix_cost,
+    queue_depth,
+    session_affinity,
+)
 
 __all__ = ["BUILTIN_PLUGINS", "register_builtin_plugins"]
 
 BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
     PluginKind.FILTER: (healthy, model, role),
-    PluginKind.SCORER: (queue_depth, kv_utilization, in_flight, prefix_affinity, prefix_cost, cache_room),
+    PluginKind.SCORER: (
+        queue_depth,
+        kv_utilization,
+        in_flight,
+        prefix_affinity,
+        prefix_cost,
+        cache_room,
+        session_affinity,
+    ),
     PluginKind.PICKER: (max_score, random_pick, round_robin),
     PluginKind.PROFILE_HANDLER: (single,),
 }

@@ -66,6 +66,24 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
             ("max-score", 1),
         ),
     ),
+    # prefix-aware plus session stickiness: a conversation stays on its replica while it has room.
+    "session-aware": (
+        [
+            *_BASE_FILTERS,
+            PluginSpec(type="prefix-cost"),
+            PluginSpec(type="cache-room"),
+            PluginSpec(type="session-affinity"),
+            PluginSpec(type="max-score", parameters={"tolerance": 0.02}),
+        ],
+        _profile(
+            ("healthy", 1),
+            ("model", 1),
+            ("prefix-cost", 1),
+            ("cache-room", 0.02),
+            ("session-affinity", 0.5),
+            ("max-score", 1),
+        ),
+    ),
 }
 DEFAULT_POLICY = "prefix-aware"
 

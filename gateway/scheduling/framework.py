@@ -23,6 +23,8 @@ from gateway.types import Endpoint, InferenceRequest, ScoredEndpoint
 if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
     from gateway.prefix.cache import PrefixCache
+    from gateway.saturation import SaturationDetector
+    from gateway.sessions_affinity import SessionAffinity
 
 __all__ = [
     "Filter",
@@ -48,6 +50,8 @@ class PluginContext:
 
     metrics: GatewayMetrics
     prefix: PrefixCache
+    sessions: SessionAffinity
+    saturation: SaturationDetector
 
 
 class Filter(Protocol):

@@ -1,0 +1,37 @@
+"""Scorer ``session-affinity``: keep a conversation on the replica its session is pinned to.
+
+A scorer, not a hard pin: the pinned replica scores 1 while it is a candidate
+(healthy, serves the model) and not saturated; otherwise nobody scores on this
+signal, the other scorers pick the best replica, and the session is re-pinned there
+(by the session hook, which also counts the move and its reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.scheduling.framework import PluginContext
+from gateway.sessions_affinity import SessionAffinity
+from gateway.types import Endpoint, InferenceRequest
+from policies.params import Params
+
+TYPE_NAME = "session-affinity"
+
+
+class SessionAffinityScorer:
+    def __init__(self, name: str, affinity: SessionAffinity) -> None:
+        self.name = name
+        self._affinity = affinity
+
+    async def prepare(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        await self._affinity.lookup(request)
+
+    def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
+        pinned = self._affinity.usable_pin(request, candidates)
+        return {e: 1.0 if e is pinned else 0.0 for e in candidates}
+
+
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> SessionAffinityScorer:
+    Params(parameters).done()
+    return SessionAffinityScorer(name, context.sessions)
