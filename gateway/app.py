@@ -37,6 +37,7 @@ from gateway.sessions import MemorySessionStore, RedisSessionStore, SessionStore
 from gateway.sessions_affinity import SessionAffinity
 from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
+from gateway.upstream import UpstreamClient
 
 __all__ = ["build_app", "build_prefix_index", "build_session_store"]
 
@@ -140,7 +141,7 @@ def _request_hooks(state: GatewayState) -> RequestHooks:
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    """One ClientSession for the process, with deliberate connector limits."""
+    """The hot-path upstream client, and one aiohttp ClientSession for health checks and scrapes."""
     state = app[STATE]
     limits = state.config.limits
     connector = aiohttp.TCPConnector(
@@ -165,8 +166,12 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     health = HealthChecker(state.registry, session, state.config.health, state.metrics, on_health_change)
     app[_HEALTH] = health
     app[_FORGET] = forget
+    client = UpstreamClient(
+        connect_timeout_s=state.config.timeouts.connect_s,
+        limit_per_endpoint=limits.upstream_connections_per_endpoint,
+    )
     state.proxy = Proxy(
-        session,
+        client,
         state.config.timeouts,
         limits,
         state.metrics,
@@ -176,6 +181,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     )
     yield
     await asyncio.gather(*forget_tasks, return_exceptions=True)
+    await client.close()
     await session.close()
 
 

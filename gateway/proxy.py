@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
+from gateway.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 
 __all__ = ["STREAM_STARTED", "Proxy", "RequestHooks", "extract_usage"]
 
@@ -93,7 +93,7 @@ class _Retryable(Exception):
 class Proxy:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         timeouts: TimeoutConfig,
         limits: LimitConfig,
         metrics: GatewayMetrics,
@@ -101,16 +101,13 @@ class Proxy:
         on_connect_failure: Callable[[Endpoint], None] | None = None,
         endpoint_headers: Callable[[InferenceRequest, Endpoint], dict[str, str]] | None = None,
     ) -> None:
-        self._session = session
+        self._client = client
         self._timeouts = timeouts
         self._limits = limits
         self._metrics = metrics
         self._hooks = hooks
         self._on_connect_failure = on_connect_failure
         self._endpoint_headers = endpoint_headers
-        self._client_timeout = aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
-        )
 
     async def forward(
         self,
@@ -152,7 +149,7 @@ class Proxy:
     ) -> web.StreamResponse:
         self._hooks.on_send(request, endpoint)
         ok = False
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamResponse | None = None
         try:
             upstream = await self._open(request, endpoint, attempt)
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
@@ -189,29 +186,29 @@ class Proxy:
 
     async def _open(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         headers = {"content-type": "application/json", "x-request-id": request.request_id}
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
-                return await self._session.post(
-                    endpoint.url + request.api.upstream_path,
-                    data=request.raw_body,
-                    headers=headers,
-                    timeout=self._client_timeout,
+                return await self._client.post(
+                    endpoint.url, request.api.upstream_path, request.raw_body, headers
                 )
         except TimeoutError:
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
             raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
-        except aiohttp.ClientConnectionError as exc:
+        except ConnectFailed as exc:
             self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
-            if self._on_connect_failure and isinstance(exc, aiohttp.ClientConnectorError):
+            if self._on_connect_failure:
                 self._on_connect_failure(endpoint)
             raise _Retryable("connect") from exc
+        except ConnectionLost as exc:  # accepted, then closed before any response byte
+            self._metrics.upstream_errors.labels(endpoint.name, "disconnected").inc()
+            raise _Retryable("disconnected") from exc
 
     async def _server_error(
         self,
         endpoint: Endpoint,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: dict[str, str],
         attempt: _Attempt,
     ) -> _Retryable:
@@ -221,17 +218,16 @@ class Proxy:
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
                 body = await upstream.read()
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, ConnectionLost):
             return _Retryable(reason)  # its body stalled or broke: nothing worth passing on
-        response = web.Response(status=upstream.status, body=body, headers=headers)
-        response.content_type = upstream.content_type
-        return _Retryable(reason, response)
+        headers["content-type"] = upstream.content_type
+        return _Retryable(reason, web.Response(status=upstream.status, body=body, headers=headers))
 
     async def _buffered(
         self,
         request: InferenceRequest,
         endpoint: Endpoint,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: dict[str, str],
         attempt: _Attempt,
     ) -> web.Response:
@@ -240,15 +236,13 @@ class Proxy:
                 body = await upstream.read()
         except TimeoutError:
             raise UpstreamTimeout("upstream response body timed out") from None
-        except aiohttp.ClientError as exc:
+        except ConnectionLost as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
         self._hooks.on_first_byte(request, endpoint)
         if upstream.status == 200:
             self._report_usage(request, endpoint, body[-2048:])
+        headers["content-type"] = upstream.content_type  # passed through verbatim, charset included
         response = web.Response(status=upstream.status, body=body, headers=headers)
-        response.content_type = upstream.content_type
-        if upstream.charset:
-            response.charset = upstream.charset
         elapsed = time.monotonic() - attempt.started
         self._metrics.ttft.labels(request.model).observe(elapsed)
         self._metrics.e2e.labels(request.model).observe(elapsed)
@@ -259,31 +253,28 @@ class Proxy:
         http_request: web.Request,
         request: InferenceRequest,
         endpoint: Endpoint,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: dict[str, str],
         attempt: _Attempt,
     ) -> tuple[web.StreamResponse, bool]:
         """Pipe the SSE stream; returns the response and whether it ended cleanly."""
+        headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
+        headers["cache-control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
-        response.content_type = upstream.content_type or "text/event-stream"
-        response.headers["cache-control"] = "no-cache"
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         first = True
         failure: str | None = None
-        content = upstream.content
+        read_chunk = upstream.readany
         idle_s = self._timeouts.idle_s
         previous = last = b""  # the usage object sits in the last chunks of the stream
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
                 while True:
                     try:
-                        chunk = await content.readany()
-                    except aiohttp.ClientPayloadError as exc:
+                        chunk = await read_chunk()
+                    except ConnectionLost as exc:
                         failure = f"upstream stream broke: {exc}"
-                        break
-                    except aiohttp.ClientConnectionError as exc:
-                        failure = f"upstream connection lost: {exc}"
                         break
                     if not chunk:
                         break

@@ -73,6 +73,13 @@ class MemorySessionStore:
             self._pins.popitem(last=False)
 
     def active(self) -> int:
+        # Pins are kept in refresh order and share one TTL, so the oldest expire first.
+        now = time.monotonic()
+        while self._pins:
+            _, (_, expires) = next(iter(self._pins.items()))
+            if expires >= now:
+                break
+            self._pins.popitem(last=False)
         return len(self._pins)
 
     async def close(self) -> None:
@@ -126,7 +133,11 @@ class RedisSessionStore:
             self._failed("error", exc)
             return self.local.get_now(session_id)
         self._logged_down = False
-        return value.decode() if value is not None else None
+        if value is None:
+            # A pin this instance just made (its SET may still be in flight) or made while
+            # Redis was down is still true: Redis not knowing it is no reason to drop it.
+            return self.local.get_now(session_id)
+        return value.decode()
 
     def pin(self, session_id: str, endpoint: str) -> None:
         self.local.pin(session_id, endpoint)

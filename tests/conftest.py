@@ -9,10 +9,17 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import uvloop
 
 from loadtest.simulator import RunningSimulator, SimConfig, running_simulator
 from tests.gateway.harness import Gateway, running_gateway
 from tests.gateway.upstreams import Upstream, running_upstream
+
+
+@pytest.fixture(scope="session")
+def event_loop_policy() -> uvloop.EventLoopPolicy:
+    """Run every async test on uvloop: the loop the gateway runs on in production."""
+    return uvloop.EventLoopPolicy()
 
 
 @pytest.fixture
