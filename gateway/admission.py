@@ -195,7 +195,7 @@ class AdmissionController:
         self.wake()
 
     def _decided(self, ticket: Ticket, outcome: str, reason: str) -> Ticket:
-        self._metrics.admission.labels(ticket.priority, outcome, reason).inc()
+        self._metrics.child(self._metrics.admission, ticket.priority, outcome, reason).inc()
         return ticket
 
     def _refuse(self, priority: str, reason: str, why: str) -> RateLimited:

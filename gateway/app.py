@@ -118,6 +118,8 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         ),
     )
 
+    metrics.watch_endpoints(lambda: registry, prefix.size)
+
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
     add_routes(app)
@@ -134,7 +136,7 @@ async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
 
 
 def _request_hooks(state: GatewayState) -> RequestHooks:
-    hooks: list[RequestHooks] = [InFlightHook(state.metrics), SessionHook(state.sessions)]
+    hooks: list[RequestHooks] = [InFlightHook(), SessionHook(state.sessions)]
     if state.scheduler.preparers:  # only policies that read the prefix index pay for hashing
         hooks.append(PrefixHook(state.prefix, state.metrics))
     return HookChain(hooks)

@@ -14,24 +14,18 @@ __all__ = ["HookChain", "InFlightHook", "PrefixHook", "SessionHook"]
 
 
 class InFlightHook(RequestHooks):
-    """Counts requests and prompt tokens in flight per endpoint, updated instantly."""
+    """Counts requests and prompt tokens in flight per endpoint, updated instantly.
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self._metrics = metrics
+    Prometheus reads these fields at scrape time (``GatewayMetrics.watch_endpoints``).
+    """
 
     def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         endpoint.in_flight += 1
         endpoint.in_flight_tokens += request.est_prompt_tokens
-        self._publish(endpoint)
 
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
         endpoint.in_flight -= 1
         endpoint.in_flight_tokens -= request.est_prompt_tokens
-        self._publish(endpoint)
-
-    def _publish(self, endpoint: Endpoint) -> None:
-        self._metrics.in_flight.labels(endpoint.name).set(endpoint.in_flight)
-        self._metrics.in_flight_tokens.labels(endpoint.name).set(endpoint.in_flight_tokens)
 
 
 class HookChain(RequestHooks):

@@ -6,7 +6,14 @@ several gateways can run in one process (tests) without clashing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from gateway.types import Endpoint
 
 __all__ = ["GatewayMetrics"]
 
@@ -14,9 +21,53 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _FAST_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
+class _EndpointStateCollector:
+    """Per-endpoint gauges read at scrape time from the live ``Endpoint`` objects.
+
+    The in-flight counters change twice per request; publishing them through Gauge
+    children on every change cost more than the rest of the accounting. They are the
+    gateway's own numbers, so reading them when Prometheus scrapes is exact.
+    """
+
+    def __init__(
+        self, endpoints: Callable[[], Iterable[Endpoint]], index_size: Callable[[Endpoint], int]
+    ) -> None:
+        self._endpoints = endpoints
+        self._index_size = index_size
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            "llm_gateway_endpoint_in_flight_requests",
+            "Requests the gateway has in flight to each endpoint",
+            labels=["endpoint"],
+        )
+        tokens = GaugeMetricFamily(
+            "llm_gateway_endpoint_in_flight_prompt_tokens",
+            "Estimated prompt tokens the gateway has in flight to each endpoint",
+            labels=["endpoint"],
+        )
+        pending = GaugeMetricFamily(
+            "llm_gateway_endpoint_pending_prefill_tokens",
+            "Estimated uncached prompt tokens sent to each endpoint and not yet answered",
+            labels=["endpoint"],
+        )
+        index = GaugeMetricFamily(
+            "llm_gateway_prefix_index_blocks",
+            "Blocks the local prefix index holds per endpoint",
+            labels=["endpoint"],
+        )
+        for endpoint in self._endpoints():
+            in_flight.add_metric([endpoint.name], endpoint.in_flight)
+            tokens.add_metric([endpoint.name], endpoint.in_flight_tokens)
+            pending.add_metric([endpoint.name], endpoint.pending_prefill_tokens)
+            index.add_metric([endpoint.name], self._index_size(endpoint))
+        yield from (in_flight, tokens, pending, index)
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "llm_gateway_requests",
@@ -36,18 +87,6 @@ class GatewayMetrics:
             "End-to-end request latency measured at the gateway",
             ["model"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "llm_gateway_endpoint_in_flight_requests",
-            "Requests the gateway has in flight to each endpoint",
-            ["endpoint"],
-            registry=r,
-        )
-        self.in_flight_tokens = Gauge(
-            "llm_gateway_endpoint_in_flight_prompt_tokens",
-            "Estimated prompt tokens the gateway has in flight to each endpoint",
-            ["endpoint"],
             registry=r,
         )
         self.scheduling_latency = Histogram(
@@ -125,12 +164,6 @@ class GatewayMetrics:
             "Prompt tokens reported by replicas in usage (denominator of the observed hit ratio)",
             registry=r,
         )
-        self.prefix_index_blocks = Gauge(
-            "llm_gateway_prefix_index_blocks",
-            "Blocks the local prefix index holds per endpoint",
-            ["endpoint"],
-            registry=r,
-        )
         self.prefix_mispredictions = Counter(
             "llm_gateway_prefix_mispredictions",
             "Responses whose cached tokens were far below the index's prediction",
@@ -199,3 +232,16 @@ class GatewayMetrics:
             "Requests whose client went away before the response ended",
             registry=r,
         )
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoised: label lookups were a hot-path cost."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def watch_endpoints(
+        self, endpoints: Callable[[], Iterable[Endpoint]], index_size: Callable[[Endpoint], int]
+    ) -> None:
+        self.registry.register(_EndpointStateCollector(endpoints, index_size))

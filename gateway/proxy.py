@@ -165,7 +165,9 @@ class Proxy:
                 response = await self._buffered(request, endpoint, upstream, headers, attempt)
                 complete = True
             ok = complete and upstream.status < 400
-            self._metrics.requests.labels(request.model, endpoint.name, str(response.status)).inc()
+            self._metrics.child(
+                self._metrics.requests, request.model, endpoint.name, str(response.status)
+            ).inc()
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
@@ -244,8 +246,8 @@ class Proxy:
         headers["content-type"] = upstream.content_type  # passed through verbatim, charset included
         response = web.Response(status=upstream.status, body=body, headers=headers)
         elapsed = time.monotonic() - attempt.started
-        self._metrics.ttft.labels(request.model).observe(elapsed)
-        self._metrics.e2e.labels(request.model).observe(elapsed)
+        self._metrics.child(self._metrics.ttft, request.model).observe(elapsed)
+        self._metrics.child(self._metrics.e2e, request.model).observe(elapsed)
         return response
 
     async def _stream(
@@ -282,7 +284,9 @@ class Proxy:
                     previous, last = last, chunk
                     if first:
                         first = False
-                        self._metrics.ttft.labels(request.model).observe(time.monotonic() - attempt.started)
+                        self._metrics.child(self._metrics.ttft, request.model).observe(
+                            time.monotonic() - attempt.started
+                        )
                         self._hooks.on_first_byte(request, endpoint)
                     limit.reschedule(self._wait_limit(attempt, idle_s))
         except TimeoutError:
@@ -295,7 +299,7 @@ class Proxy:
         else:
             self._report_usage(request, endpoint, previous[-2048:] + last[-2048:])
         await response.write_eof()
-        self._metrics.e2e.labels(request.model).observe(time.monotonic() - attempt.started)
+        self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
 
     def _report_usage(self, request: InferenceRequest, endpoint: Endpoint, tail: bytes) -> None:

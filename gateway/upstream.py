@@ -222,8 +222,7 @@ class _Connection(asyncio.Protocol):
 
     async def send(self, request: bytes) -> UpstreamResponse:
         assert self._transport is not None
-        self._parser = httptools.HttpResponseParser(self)
-        self._complete = False
+        self._complete = False  # one parser per connection: llhttp handles keep-alive sequences
         response = self._response = UpstreamResponse(self)
         self._headers_ready = asyncio.get_running_loop().create_future()
         self._transport.write(request)

@@ -90,7 +90,6 @@ class PrefixCache:
         hashes = self.hashes(request)
         if hashes:
             self.index.record(hashes, endpoint.name, request.model)
-            self._metrics.prefix_index_blocks.labels(endpoint.name).set(self.index.size(endpoint.name))
 
     def observe_usage(
         self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
@@ -129,6 +128,9 @@ class PrefixCache:
         base = self._engine_capacity.get(name, self._default_capacity)
         self.index.set_capacity(name, max(1, int(base * self._trust.get(name, 1.0))))
 
+    def size(self, endpoint: Endpoint) -> int:
+        return self.index.size(endpoint.name)
+
     def occupancy(self, endpoint: Endpoint) -> float:
         """Fraction of the endpoint's (believed) cache the index has filled."""
         name = endpoint.name
@@ -137,4 +139,3 @@ class PrefixCache:
     async def forget(self, endpoint: Endpoint) -> None:
         """Endpoint removed, restarted or down: nothing we recorded for it is true any more."""
         await self.index.purge(endpoint.name, tuple(endpoint.models))
-        self._metrics.prefix_index_blocks.labels(endpoint.name).set(0)
