@@ -84,6 +84,15 @@ class AdmissionController:
 
     async def admit(self, request: InferenceRequest) -> Ticket:
         """Return a ticket (release it when the request ends) or raise :class:`RateLimited`."""
+        ticket = await self._admit(request)
+        engine_priority = self._config.engine_priority
+        if engine_priority and engine_priority.get(request.priority, 0) and "priority" not in request.body:
+            # Inside the engine too, critical work must not wait behind admitted bulk work.
+            request.body["priority"] = engine_priority[request.priority]
+            _rewrite(request)
+        return ticket
+
+    async def _admit(self, request: InferenceRequest) -> Ticket:
         priority = request.priority
         if not self._config.enabled:
             return self._grant(Ticket(priority))

@@ -142,6 +142,11 @@ class AdmissionConfig(_Strict):
     endpoint_max_concurrency: int = Field(0, ge=0, description="per-endpoint in-flight cap; 0 = none")
     retry_after_s: float = Field(1.0, gt=0)
     degrade: DegradeConfig = Field(default_factory=DegradeConfig)
+    engine_priority: dict[Literal["critical", "standard", "sheddable"], int] | None = Field(
+        None,
+        description="send each class's value as the body's `priority` (vLLM/SGLang priority scheduling;"
+        " engines must run with --scheduling-policy priority). Lower is served first in vLLM.",
+    )
 
 
 class PluginSpec(_Strict):

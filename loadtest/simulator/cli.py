@@ -39,6 +39,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token)
     parser.add_argument("--decode-us-per-kv-token", type=float, default=d.decode_us_per_kv_token)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default=d.scheduling_policy,
+        help="priority: waiting requests ordered by the body's 'priority' (lower first), as vLLM",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="start N replicas, one process each")
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port with --replicas (default --port)"
@@ -61,12 +67,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_us_per_kv_token=args.decode_us_per_kv_token,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
 _PASSTHROUGH = (
     "host", "engine", "role", "model", "kv_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
-    "time_scale", "decode_step_ms", "prefill_us_per_token", "decode_us_per_kv_token",
+    "time_scale", "decode_step_ms", "prefill_us_per_token", "decode_us_per_kv_token", "scheduling_policy",
 )  # fmt: skip
 
 

@@ -33,6 +33,7 @@ class SimConfig:
     seed: int = 0
     default_max_tokens: int = 64
     pd_ttl_s: float = 30.0  # how long a prefill's KV stays claimable by a decode replica
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -43,5 +44,7 @@ class SimConfig:
             raise ValueError("kv_blocks and block_size must be positive")
         if self.max_num_seqs <= 0 or self.max_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_batched_tokens must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")

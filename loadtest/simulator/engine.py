@@ -39,6 +39,7 @@ class SimRequest:
     seed: int = 0
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     external_tokens: int = 0  # KV received from a remote prefill (P/D): not computed here
+    priority: int = 0  # vLLM semantics: lower is served earlier (only with the priority policy)
     arrival: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     output_words: list[str] = field(default_factory=list)
@@ -117,6 +118,18 @@ class Engine:
             self.abort(req)
 
     # ---- requests ------------------------------------------------------------
+    def _enqueue(self, req: SimRequest) -> None:
+        """FCFS, or with ``scheduling_policy == "priority"`` by (priority, arrival), like vLLM."""
+        if self.config.scheduling_policy != "priority" or not self.waiting:
+            self.waiting.append(req)
+            return
+        key = (req.priority, req.arrival)
+        for index, other in enumerate(self.waiting):
+            if (other.priority, other.arrival) > key:
+                self.waiting.insert(index, req)
+                return
+        self.waiting.append(req)
+
     def add_request(self, req: SimRequest) -> SimRequest:
         bs = self.config.block_size
         need = -(-(req.num_prompt_tokens + req.max_tokens) // bs)
@@ -129,7 +142,7 @@ class Engine:
             raise ValueError("max_tokens must be at least 1")
         req.external_tokens = min(req.external_tokens, req.num_prompt_tokens - 1)
         req.status = WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
         self.prompt_tokens_total += req.num_prompt_tokens
         self._wake.set()
         return req

@@ -250,7 +250,24 @@ class _Handlers:
         seed = xxhash.xxh32_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens[-64:]), seed=cfg.seed)
         if isinstance(body.get("seed"), int):
             seed ^= body["seed"] & 0xFFFFFFFF
-        req = SimRequest(tokens, max_tokens or cfg.default_max_tokens, seed=seed, external_tokens=external)
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return error_response(400, "priority must be an integer", "BadRequestError", "priority")
+        if priority != 0 and cfg.scheduling_policy != "priority":
+            # vLLM's answer when a client sends a priority the engine was not started for.
+            return error_response(
+                400,
+                f"Got priority {priority} but Priority scheduling is not enabled.",
+                "BadRequestError",
+                "priority",
+            )
+        req = SimRequest(
+            tokens,
+            max_tokens or cfg.default_max_tokens,
+            seed=seed,
+            external_tokens=external,
+            priority=priority,
+        )
         try:
             self.s.engine.add_request(req)
         except (RequestTooLong, ValueError) as e:
