@@ -119,6 +119,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
     )
 
     metrics.watch_endpoints(lambda: registry, prefix.size)
+    metrics.sessions_active.set_function(sessions.store.active)
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state

@@ -96,10 +96,18 @@ _PENDING = "pending_prefill"
 
 
 class SessionHook(RequestHooks):
-    """Pins the request's session to the replica it is sent to (and counts hits and moves)."""
+    """Pins the request's session to the replica that answered it (and counts hits and moves).
+
+    On the first response byte, not on send: an attempt that fails before answering (a
+    dead replica health checks have not caught yet) must neither count as a hit nor pin.
+    """
 
     def __init__(self, affinity: SessionAffinity) -> None:
         self._affinity = affinity
 
-    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         self._affinity.after_routing(request, endpoint)
+
+    def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
+        if not ok:
+            self._affinity.attempt_failed(request, endpoint)

@@ -64,7 +64,10 @@ class SessionAffinity:
         return None
 
     def after_routing(self, request: InferenceRequest, endpoint: Endpoint) -> None:
-        """Count the hit or the move (with its reason) and pin the session to ``endpoint``."""
+        """Count the hit or the move (with its reason) and pin the session to ``endpoint``.
+
+        Called once per request, for the attempt that got an answer.
+        """
         if _PIN not in request.attributes:
             return  # no session-affinity scorer looked at this request
         pinned = self.pinned_name(request)
@@ -76,7 +79,11 @@ class SessionAffinity:
                 self._metrics.session_moves.labels("scored" if state == "usable" else state).inc()
         if request.session_id:
             self.store.pin(request.session_id, endpoint.name)
-            self._metrics.sessions_active.set(self.store.active())
+
+    def attempt_failed(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        """The pinned replica failed before answering (e.g. refused): a retry elsewhere is a move "gone"."""
+        if self.pinned_name(request) == endpoint.name:
+            request.attributes[_PIN_STATE] = "gone"
 
     def response_headers(self, request: InferenceRequest, endpoint: Endpoint) -> dict[str, str]:
         """The signed replica token, for clients that stick without a session id."""

@@ -16,10 +16,9 @@ from tests.gateway.harness import Gateway, running_gateway
 from tests.gateway.upstreams import Upstream, running_upstream
 
 
-@pytest.fixture(scope="session")
-def event_loop_policy() -> uvloop.EventLoopPolicy:
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Run every async test on uvloop: the loop the gateway runs on in production."""
-    return uvloop.EventLoopPolicy()
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

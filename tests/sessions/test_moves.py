@@ -1,0 +1,130 @@
+"""A session leaves its pinned replica when the replica dies or saturates, and re-pins there.
+
+``llm_gateway_session_moves_total{reason}`` says why: ``gone`` (no longer a candidate),
+``saturated`` (the saturation detector says it has no headroom), ``scored`` (the other
+scorers outweighed affinity on a healthy replica).
+"""
+
+from __future__ import annotations
+
+from tests.gateway.harness import gateway_metrics, metric_value, wait_until
+from tests.gateway.upstreams import vllm_metrics
+from tests.sessions.conftest import FAST, started_gateway, turn
+
+
+async def _moves(http, gw, reason: str) -> float:
+    return (
+        metric_value(await gateway_metrics(http, gw), "llm_gateway_session_moves_total", reason=reason) or 0
+    )
+
+
+async def _healthy(http, gw, name: str) -> bool:
+    text = await gateway_metrics(http, gw)
+    return metric_value(text, "llm_gateway_endpoint_healthy", endpoint=name) == 1
+
+
+async def test_session_moves_when_its_replica_is_gone_and_is_repinned(
+    start_sims, start_gateway, openai_client, http
+) -> None:
+    sims = await start_sims(3)
+    gw = await started_gateway(start_gateway, [s.url for s in sims])
+    client = openai_client(gw)
+    sid = {"x-session-id": "doomed"}
+
+    pinned, _ = await turn(client, headers=sid)
+    assert (await turn(client, headers=sid))[0] == pinned
+    victim = next(s for s in sims if s.name == pinned)
+    await victim.stop()
+    await wait_until(
+        lambda: _not(_healthy(http, gw, pinned)), 3.0, "the stopped replica to be marked unhealthy"
+    )
+
+    moved, _ = await turn(client, headers=sid)
+    assert moved != pinned
+    # Re-pinned: the following turns stay on the new replica.
+    for _ in range(4):
+        assert (await turn(client, headers=sid))[0] == moved
+    assert await _moves(http, gw, "gone") == 1
+    assert await _moves(http, gw, "saturated") == 0
+    assert await _moves(http, gw, "scored") == 0
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_session_hits_total") == 1 + 4
+
+
+async def test_session_moves_as_gone_when_its_replica_dies_before_health_notices(
+    start_sims, start_gateway, openai_client, http
+) -> None:
+    sims = await start_sims(3)
+    # Slow health checks: the gateway still believes the dead replica is healthy.
+    gw = await start_gateway(
+        [s.url for s in sims],
+        policy="session-aware",
+        health={"interval_s": 30, "timeout_s": 0.3, "unhealthy_threshold": 1},
+        scrape=FAST["scrape"],
+    )
+    client = openai_client(gw)
+    sid = {"x-session-id": "sudden-death"}
+
+    pinned, _ = await turn(client, headers=sid)
+    victim = next(s for s in sims if s.name == pinned)
+    await victim.stop()
+
+    moved, _ = await turn(client, headers=sid)  # connect refused → retried elsewhere, still 200
+    assert moved != pinned
+    assert (await turn(client, headers=sid))[0] == moved  # re-pinned on the replica that served it
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_session_hits_total") == 1  # only the last turn
+    assert await _moves(http, gw, "gone") == 1
+    assert await _moves(http, gw, "scored") == 0
+
+
+async def test_session_moves_when_its_replica_saturates_and_is_repinned(
+    start_upstream, start_gateway, openai_client, http
+) -> None:
+    """Two tiny upstreams; the pinned one starts reporting a deep engine queue (waiting=10 ≥ 5)."""
+    ups = [await start_upstream(models=("tiny",)) for _ in range(2)]
+    gw = await started_gateway(start_gateway, [u.url for u in ups])
+    client = openai_client(gw)
+    sid = {"x-session-id": "busy"}
+
+    pinned, _ = await turn(client, headers=sid, model="tiny")
+    assert (await turn(client, headers=sid, model="tiny"))[0] == pinned
+    hot = next(u for u in ups if u.name == pinned)
+    hot.metrics_text = vllm_metrics(waiting=10, running=8, model="tiny")
+
+    async def saturated() -> bool:
+        text = await gateway_metrics(http, gw)
+        return metric_value(text, "llm_gateway_endpoint_saturated", endpoint=pinned) == 1
+
+    await wait_until(saturated, 3.0, "the pinned replica to be seen saturated")
+
+    # Affinity no longer scores the saturated replica; the prefix scorers tie, so the move
+    # happens at a random turn — bounded: P(no move in 30 turns) = 2^-30.
+    seen = []
+    for _ in range(30):
+        endpoint, _ = await turn(client, headers=sid, model="tiny")
+        seen.append(endpoint)
+        if endpoint != pinned:
+            break
+    assert seen[-1] != pinned, "the session never left its saturated replica"
+    moved = seen[-1]
+    for _ in range(4):  # re-pinned on the replica with headroom
+        assert (await turn(client, headers=sid, model="tiny"))[0] == moved
+    assert await _moves(http, gw, "saturated") == 1
+    assert await _moves(http, gw, "gone") == 0
+    assert await _moves(http, gw, "scored") == 0
+
+    # The old replica recovering does not pull the session back: it is pinned to the new one.
+    hot.metrics_text = vllm_metrics(model="tiny")
+
+    async def recovered() -> bool:
+        text = await gateway_metrics(http, gw)
+        return metric_value(text, "llm_gateway_endpoint_saturated", endpoint=pinned) == 0
+
+    await wait_until(recovered, 3.0, "the old replica to recover")
+    for _ in range(4):
+        assert (await turn(client, headers=sid, model="tiny"))[0] == moved
+
+
+async def _not(check) -> bool:
+    return not await check

@@ -1,0 +1,79 @@
+"""Redis-backed sessions end to end: gateways share pins; a Redis outage never fails a request."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tests.gateway.harness import gateway_metrics, metric_value, wait_until
+from tests.sessions.conftest import started_gateway, turn
+
+SESSIONS = 6
+
+
+async def test_two_gateways_sharing_redis_keep_a_session_on_one_replica(
+    redis_url: str, key_prefix: str, start_sims, start_gateway, openai_client, http
+) -> None:
+    sims = await start_sims(3)
+    urls = [s.url for s in sims]
+    cfg = {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix, "redis_budget_s": 0.5}
+    gw_a = await started_gateway(start_gateway, urls, **cfg)
+    gw_b = await started_gateway(start_gateway, urls, **cfg)
+    client_a, client_b = openai_client(gw_a), openai_client(gw_b)
+    ids = [f"shared-{i}" for i in range(SESSIONS)]
+
+    pinned = {sid: (await turn(client_a, headers={"x-session-id": sid}))[0] for sid in ids}
+    redis = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+
+        async def all_written() -> bool:
+            values = [await redis.get(f"{key_prefix}:session:{{{sid}}}") for sid in ids]
+            return values == [pinned[sid] for sid in ids]
+
+        await wait_until(all_written, 3.0, "gateway A's pins to reach Redis")
+        # Turns alternate between the two gateways; B has never seen these sessions locally.
+        for round_ in range(4):
+            client = client_b if round_ % 2 == 0 else client_a
+            for sid in ids:
+                assert (await turn(client, headers={"x-session-id": sid}))[0] == pinned[sid], sid
+    finally:
+        await redis.aclose()
+
+    for gw in (gw_a, gw_b):
+        text = await gateway_metrics(http, gw)
+        assert metric_value(text, "llm_gateway_session_hits_total") == 2 * SESSIONS
+        assert (metric_value(text, "llm_gateway_session_moves_total") or 0) == 0
+        assert (metric_value(text, "llm_gateway_session_store_fallbacks_total") or 0) == 0
+
+
+async def test_redis_down_sessions_still_served_from_the_local_mirror(
+    redis_servers, start_sims, start_gateway, openai_client, http
+) -> None:
+    server = redis_servers()  # private: this test kills it by PID
+    sims = await start_sims(3)
+    gw = await started_gateway(
+        start_gateway,
+        [s.url for s in sims],
+        backend="redis",
+        redis_url=server.url,
+        key_prefix="down",
+        redis_budget_s=0.5,
+    )
+    client = openai_client(gw)
+    ids = [f"survivor-{i}" for i in range(4)]
+    pinned = {sid: (await turn(client, headers={"x-session-id": sid}))[0] for sid in ids}
+    text = await gateway_metrics(http, gw)
+    assert (metric_value(text, "llm_gateway_session_store_fallbacks_total") or 0) == 0
+
+    server.kill()
+    for _ in range(3):
+        for sid in ids:  # every turn is answered (200 via the SDK) and stays on its replica
+            assert (await turn(client, headers={"x-session-id": sid}))[0] == pinned[sid]
+    # New sessions are still served (and pinned locally) while Redis is gone.
+    fresh, _ = await turn(client, headers={"x-session-id": "born-during-outage"})
+    assert (await turn(client, headers={"x-session-id": "born-during-outage"}))[0] == fresh
+
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_session_store_fallbacks_total") >= 1
+    assert metric_value(text, "llm_gateway_session_store_fallbacks_total", reason="error") >= 1
+    assert metric_value(text, "llm_gateway_session_hits_total") == 3 * len(ids) + 1
+    assert (metric_value(text, "llm_gateway_session_moves_total") or 0) == 0
