@@ -12,11 +12,9 @@ its own token but cannot forge one that picks an arbitrary backend.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
-import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -24,11 +22,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+
+from gateway.redis_guard import RedisGuard
 
 __all__ = ["MemorySessionStore", "RedisSessionStore", "SessionStore", "SessionTokens"]
-
-log = logging.getLogger(__name__)
 
 
 class SessionStore(Protocol):
@@ -87,7 +84,7 @@ class MemorySessionStore:
 
 
 class RedisSessionStore:
-    """Keys ``<prefix>:session:{<id>}`` → endpoint name, with ``EX ttl`` refreshed on every pin."""
+    """Keys ``<prefix>:session:{<id>}`` → endpoint name, with ``PX ttl`` refreshed on every pin."""
 
     def __init__(
         self,
@@ -102,66 +99,31 @@ class RedisSessionStore:
         self._client = client
         self.local = local
         self._prefix = key_prefix
-        self._budget_s = budget_s
-        self._retry_after_s = retry_after_s
-        self._on_fallback = on_fallback or (lambda reason: None)
-        self._skip_until = 0.0
-        self._logged_down = False
-        self._pending: set[asyncio.Task[None]] = set()
+        self._guard = RedisGuard(
+            "session store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
+        )
 
     def _key(self, session_id: str) -> str:
         return f"{self._prefix}:session:{{{session_id}}}"
 
-    def _failed(self, reason: str, exc: BaseException) -> None:
-        self._skip_until = time.monotonic() + self._retry_after_s
-        self._on_fallback(reason)
-        if not self._logged_down:
-            self._logged_down = True
-            log.warning("session store: Redis %s (%s); using local pins until it is back", reason, exc)
-
     async def get(self, session_id: str) -> str | None:
-        if time.monotonic() < self._skip_until:
-            self._on_fallback("skipped")
-            return self.local.get_now(session_id)
-        try:
-            async with asyncio.timeout(self._budget_s):
-                value = await self._client.get(self._key(session_id))
-        except TimeoutError as exc:
-            self._failed("timeout", exc)
-            return self.local.get_now(session_id)
-        except (RedisError, OSError) as exc:
-            self._failed("error", exc)
-            return self.local.get_now(session_id)
-        self._logged_down = False
+        value = await self._guard.call(self._client.get(self._key(session_id)))
         if value is None:
-            # A pin this instance just made (its SET may still be in flight) or made while
-            # Redis was down is still true: Redis not knowing it is no reason to drop it.
+            # Redis down, or it does not know a pin this instance just made (its SET may
+            # still be in flight) or made while Redis was down: the local pin is still true.
             return self.local.get_now(session_id)
         return value.decode()
 
     def pin(self, session_id: str, endpoint: str) -> None:
         self.local.pin(session_id, endpoint)
-        if time.monotonic() < self._skip_until or len(self._pending) > 1024:
-            return
-        task = asyncio.get_running_loop().create_task(self._pin_remote(session_id, endpoint))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _pin_remote(self, session_id: str, endpoint: str) -> None:
-        try:
-            async with asyncio.timeout(max(0.1, self._budget_s * 20)):
-                await self._client.set(self._key(session_id), endpoint, px=int(self.local.ttl_s * 1000))
-        except TimeoutError as exc:
-            self._failed("timeout", exc)
-        except (RedisError, OSError) as exc:
-            self._failed("error", exc)
+        ttl_ms = int(self.local.ttl_s * 1000)
+        self._guard.spawn(self._client.set(self._key(session_id), endpoint, px=ttl_ms))
 
     def active(self) -> int:
         return self.local.active()
 
     async def flush(self) -> None:
-        if self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await self._guard.flush()
 
     async def close(self) -> None:
         await self.flush()

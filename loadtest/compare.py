@@ -31,24 +31,27 @@ from loadtest.workloads import make_workload
 __all__ = ["WORKLOADS", "main", "run_compare"]
 
 BLOCK_SIZE = 16
-# workload → (parameters, arrival rate req/s (None: closed loop), concurrency)
-WORKLOADS: dict[str, tuple[dict[str, Any], float | None, int | None]] = {
+# workload → (parameters, arrival rate req/s (None: closed loop), concurrency, KV blocks per replica)
+WORKLOADS: dict[str, tuple[dict[str, Any], float | None, int | None, int]] = {
     # SGLang's generated-shared-prefix shape, scaled to 2 cores: 16 groups × 2k-token
     # system prompts = 32k distinct prefix tokens; a replica caches 16k, the fleet 64k.
     "shared-prefix": (
         dict(num_groups=16, prompts_per_group=16, system_prompt_len=2048, question_len=128, output_len=128),
         16.0,
         None,
+        1024,
     ),
-    # Every conversation starts with the same system prompt, then grows by its answers.
+    # Every conversation starts with the same system prompt, then grows by its answers:
+    # 32 users × ~3.3k tokens at the last turn ≈ 105k tokens; a replica caches 32k, the fleet 128k.
     "multi-turn": (
         dict(num_users=32, num_rounds=8, system_prompt_len=1000, history_len=1000, question_len=64,
              answer_len=96),
         None,
         32,
+        2048,
     ),
     # No shared prefixes at all: prefix routing must not hurt.
-    "sharegpt-like": (dict(num_requests=256, mean_input_len=220, mean_output_len=200), 24.0, None),
+    "sharegpt-like": (dict(num_requests=256, mean_input_len=220, mean_output_len=200), 24.0, None, 1024),
 }  # fmt: skip
 SIM_ARGS = [
     "--kv-blocks",
@@ -78,8 +81,8 @@ async def _start_target(spec: str, urls: list[str], log_dir: Path) -> tuple[Targ
 
 
 async def _one(workload_name: str, spec: str, log_dir: Path, progress: bool) -> BenchResult:
-    params, rate, concurrency = WORKLOADS[workload_name]
-    replicas = await start_replicas(4, SIM_ARGS, log_dir=log_dir)
+    params, rate, concurrency, kv_blocks = WORKLOADS[workload_name]
+    replicas = await start_replicas(4, [*SIM_ARGS, "--kv-blocks", str(kv_blocks)], log_dir=log_dir)
     started: list[Any] = []
     try:
         urls = [r.url for r in replicas]

@@ -15,74 +15,43 @@ from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
 
 __all__ = ["DEFAULT_POLICY", "PRESETS", "build_scheduler", "preset"]
 
-_BASE_FILTERS = [PluginSpec(type="healthy"), PluginSpec(type="model")]
+_BASE_FILTERS = (PluginSpec(type="healthy"), PluginSpec(type="model"))
+_TIE_BREAK = PluginSpec(type="max-score", parameters={"tolerance": 0.02})
 
 
-def _profile(*plugins: tuple[str, float]) -> list[ProfileSpec]:
-    refs = [ProfilePluginRef(ref=name, weight=weight) for name, weight in plugins]
-    return [ProfileSpec(name="default", plugins=refs)]
+def _preset(
+    picker: PluginSpec, *scorers: tuple[PluginSpec, float]
+) -> tuple[list[PluginSpec], list[ProfileSpec]]:
+    """One profile: the base filters, the weighted scorers, the picker."""
+    plugins = [*_BASE_FILTERS, *(spec for spec, _ in scorers), picker]
+    refs = [
+        *(ProfilePluginRef(ref=f.instance_name) for f in _BASE_FILTERS),
+        *(ProfilePluginRef(ref=spec.instance_name, weight=weight) for spec, weight in scorers),
+        ProfilePluginRef(ref=picker.instance_name),
+    ]
+    return plugins, [ProfileSpec(name="default", plugins=refs)]
 
 
 # Named presets: what `--policy NAME` means without a config file.
 PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
-    "round-robin": (
-        [*_BASE_FILTERS, PluginSpec(type="round-robin")],
-        _profile(("healthy", 1), ("model", 1), ("round-robin", 1)),
-    ),
-    "random": (
-        [*_BASE_FILTERS, PluginSpec(type="random")],
-        _profile(("healthy", 1), ("model", 1), ("random", 1)),
-    ),
-    "least-load": (
-        [
-            *_BASE_FILTERS,
-            PluginSpec(type="queue-depth"),
-            PluginSpec(type="kv-utilization"),
-            PluginSpec(type="in-flight"),
-            PluginSpec(type="max-score"),
-        ],
-        _profile(
-            ("healthy", 1),
-            ("model", 1),
-            ("queue-depth", 1),
-            ("kv-utilization", 1),
-            ("in-flight", 1),
-            ("max-score", 1),
-        ),
+    "round-robin": _preset(PluginSpec(type="round-robin")),
+    "random": _preset(PluginSpec(type="random")),
+    "least-load": _preset(
+        PluginSpec(type="max-score"),
+        (PluginSpec(type="queue-depth"), 1),
+        (PluginSpec(type="kv-utilization"), 1),
+        (PluginSpec(type="in-flight"), 1),
     ),
     # Expected-cost routing: prefix hits against queued work; cache room breaks cold ties.
-    "prefix-aware": (
-        [
-            *_BASE_FILTERS,
-            PluginSpec(type="prefix-cost"),
-            PluginSpec(type="cache-room"),
-            PluginSpec(type="max-score", parameters={"tolerance": 0.02}),
-        ],
-        _profile(
-            ("healthy", 1),
-            ("model", 1),
-            ("prefix-cost", 1),
-            ("cache-room", 0.02),
-            ("max-score", 1),
-        ),
+    "prefix-aware": _preset(
+        _TIE_BREAK, (PluginSpec(type="prefix-cost"), 1), (PluginSpec(type="cache-room"), 0.02)
     ),
     # prefix-aware plus session stickiness: a conversation stays on its replica while it has room.
-    "session-aware": (
-        [
-            *_BASE_FILTERS,
-            PluginSpec(type="prefix-cost"),
-            PluginSpec(type="cache-room"),
-            PluginSpec(type="session-affinity"),
-            PluginSpec(type="max-score", parameters={"tolerance": 0.02}),
-        ],
-        _profile(
-            ("healthy", 1),
-            ("model", 1),
-            ("prefix-cost", 1),
-            ("cache-room", 0.02),
-            ("session-affinity", 0.5),
-            ("max-score", 1),
-        ),
+    "session-aware": _preset(
+        _TIE_BREAK,
+        (PluginSpec(type="prefix-cost"), 1),
+        (PluginSpec(type="cache-room"), 0.02),
+        (PluginSpec(type="session-affinity"), 0.5),
     ),
 }
 DEFAULT_POLICY = "prefix-aware"
