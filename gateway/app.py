@@ -21,10 +21,11 @@ from gateway.endpoints.health import HealthChecker
 from gateway.endpoints.poller import MetricsPoller
 from gateway.endpoints.registry import EndpointRegistry, endpoint_from_config
 from gateway.handlers import add_routes
-from gateway.hooks import HookChain, InFlightHook, PrefixHook, SessionHook
+from gateway.hooks import HookChain, InFlightHook, PDHook, PrefixHook, SessionHook
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import error_middleware
 from gateway.parsing import ParseOptions
+from gateway.pd import PDCoordinator
 from gateway.prefix.cache import PrefixCache
 from gateway.prefix.index import PrefixIndex
 from gateway.prefix.memory import MemoryPrefixIndex
@@ -136,8 +137,8 @@ async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
     await app[STATE].sessions.store.close()
 
 
-def _request_hooks(state: GatewayState) -> RequestHooks:
-    hooks: list[RequestHooks] = [InFlightHook(), SessionHook(state.sessions)]
+def _request_hooks(state: GatewayState, pd: PDCoordinator) -> RequestHooks:
+    hooks: list[RequestHooks] = [InFlightHook(), SessionHook(state.sessions), PDHook(pd)]
     if state.scheduler.preparers:  # only policies that read the prefix index pay for hashing
         hooks.append(PrefixHook(state.prefix, state.metrics))
     return HookChain(hooks)
@@ -173,14 +174,16 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         connect_timeout_s=state.config.timeouts.connect_s,
         limit_per_endpoint=limits.upstream_connections_per_endpoint,
     )
+    pd = PDCoordinator(client, state.config.pd, state.metrics, state.prefix)
     state.proxy = Proxy(
         client,
         state.config.timeouts,
         limits,
         state.metrics,
-        _request_hooks(state),
+        _request_hooks(state, pd),
         on_connect_failure=health.mark_failed,
         endpoint_headers=state.sessions.response_headers,
+        pd=pd,
     )
     yield
     await asyncio.gather(*forget_tasks, return_exceptions=True)

@@ -18,6 +18,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint", action="append", default=[], metavar="URL", help="model server URL (repeatable)"
     )
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill replica (P/D)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL", help="decode replica (P/D)")
+    parser.add_argument("--pd-protocol", choices=["vllm", "sglang"], help="P/D wire protocol (default vllm)")
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8080)")
     parser.add_argument("--policy", help="routing preset: round-robin, random, least-load, ...")
@@ -30,8 +33,13 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     server = {k: v for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers)) if v}
     if server:
         overrides["server"] = server
-    if args.endpoint:
-        overrides["endpoints"] = [{"url": url} for url in args.endpoint]
+    endpoints = [{"url": url} for url in args.endpoint]
+    endpoints += [{"url": url, "role": "prefill"} for url in args.prefill]
+    endpoints += [{"url": url, "role": "decode"} for url in args.decode]
+    if endpoints:
+        overrides["endpoints"] = endpoints
+    if args.pd_protocol:
+        overrides["pd"] = {"protocol": args.pd_protocol}
     if args.policy:
         overrides["policy"] = args.policy
     if args.log_level:

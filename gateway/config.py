@@ -149,6 +149,16 @@ class AdmissionConfig(_Strict):
     )
 
 
+class PDConfig(_Strict):
+    """Prefill/decode disaggregation; active when endpoints with role ``prefill`` exist."""
+
+    protocol: Literal["vllm", "sglang"] = "vllm"
+    decider: Literal["always", "never", "prefix-aware"] = "prefix-aware"
+    threshold_tokens: int = Field(512, ge=0, description="prefix-aware: disaggregate above this uncached")
+    prefill_timeout_s: float = Field(120.0, gt=0)
+    fallback_to_decode: bool = Field(True, description="prefill failed everywhere → decode-only, counted")
+
+
 class PluginSpec(_Strict):
     type: str
     name: str | None = None
@@ -179,6 +189,7 @@ class GatewayConfig(_Strict):
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    pd: PDConfig = Field(default_factory=PDConfig)
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)
@@ -201,6 +212,15 @@ class GatewayConfig(_Strict):
                     raise ValueError(
                         f"profiles.{p_index}.plugins.{r_index}.ref: unknown plugin {ref.ref!r}"
                         f" (defined: {sorted(names)})"
+                    )
+        roles = {e.role for e in self.endpoints}
+        if "prefill" in roles and not roles & {"decode", "both"}:
+            raise ValueError("endpoints: prefill endpoints need at least one decode (or both) endpoint")
+        if self.pd.protocol == "sglang":
+            for index, endpoint in enumerate(self.endpoints):
+                if endpoint.role == "prefill" and endpoint.bootstrap_port is None:
+                    raise ValueError(
+                        f"endpoints.{index}.bootstrap_port: required for SGLang prefill endpoints"
                     )
         urls = [e.url for e in self.endpoints]
         for index, url in enumerate(urls):

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.metrics import GatewayMetrics
+from gateway.pd import PDCoordinator
 from gateway.prefix.cache import PrefixCache
 from gateway.proxy import RequestHooks
 from gateway.sessions_affinity import SessionAffinity
 from gateway.types import Endpoint, InferenceRequest
 
-__all__ = ["HookChain", "InFlightHook", "PrefixHook", "SessionHook"]
+__all__ = ["HookChain", "InFlightHook", "PDHook", "PrefixHook", "SessionHook"]
 
 
 class InFlightHook(RequestHooks):
@@ -111,3 +112,18 @@ class SessionHook(RequestHooks):
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, ok: bool) -> None:
         if not ok:
             self._affinity.attempt_failed(request, endpoint)
+
+
+class PDHook(RequestHooks):
+    """Measures the KV transfer and catches decode replicas that recomputed the prompt."""
+
+    def __init__(self, pd: PDCoordinator) -> None:
+        self._pd = pd
+
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        self._pd.decode_first_byte(request)
+
+    def on_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int
+    ) -> None:
+        self._pd.decode_usage(request, prompt_tokens, cached_tokens)

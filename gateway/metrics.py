@@ -227,6 +227,34 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.pd_decisions = Counter(
+            "llm_gateway_pd_decisions",
+            "Prefill/decode decisions: disaggregated or decode-only, by reason",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.pd_degraded = Counter(
+            "llm_gateway_pd_degraded",
+            "Disaggregated requests that silently lost the KV transfer, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_prefill_failures = Counter(
+            "llm_gateway_pd_prefill_failures", "Prefill legs that failed, by kind", ["kind"], registry=r
+        )
+        self.pd_leg_duration = Histogram(
+            "llm_gateway_pd_leg_duration_seconds",
+            "Duration of each P/D leg at the gateway",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pd_kv_transfer = Histogram(
+            "llm_gateway_pd_kv_transfer_seconds",
+            "From the prefill leg's end to the decode leg's first byte (KV transfer as seen by the gateway)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "llm_gateway_client_disconnects",
             "Requests whose client went away before the response ended",

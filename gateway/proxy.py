@@ -25,6 +25,7 @@ from aiohttp import web
 from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, error_body
 from gateway.metrics import GatewayMetrics
+from gateway.pd import PD_DECISION, PD_STATE, PDCoordinator
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
 from gateway.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 
@@ -100,6 +101,7 @@ class Proxy:
         hooks: RequestHooks,
         on_connect_failure: Callable[[Endpoint], None] | None = None,
         endpoint_headers: Callable[[InferenceRequest, Endpoint], dict[str, str]] | None = None,
+        pd: PDCoordinator | None = None,
     ) -> None:
         self._client = client
         self._timeouts = timeouts
@@ -108,6 +110,7 @@ class Proxy:
         self._hooks = hooks
         self._on_connect_failure = on_connect_failure
         self._endpoint_headers = endpoint_headers
+        self._pd = pd
 
     async def forward(
         self,
@@ -123,14 +126,24 @@ class Proxy:
         # One hard deadline for the whole request; every wait below is capped by it,
         # so a committed stream still ends cleanly (error event + [DONE]) at the limit.
         attempt = _Attempt(started=time.monotonic(), deadline=loop.time() + self._timeouts.total_s)
+        prefill = result.prefill_ranked
+        self._count_pd_decision(request, prefill is not None)
         for index, endpoint in enumerate(attempts):
             if index > 0:
                 self._metrics.retries.labels(last_failure.reason if last_failure else "unknown").inc()
                 log.info("request %s: retrying on %s", request.request_id, endpoint.name)
+            leg = None
+            if prefill is not None and self._pd is not None:  # a fresh prefill for every decode attempt
+                leg = await self._pd.prepare(request, [s.endpoint for s in prefill], self._limits.retries)
+                request.attributes[PD_STATE] = leg
             try:
-                return await self._attempt(http_request, request, endpoint, extra_headers, attempt)
+                body = leg.decode_body if leg is not None else request.raw_body
+                return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
             except _Retryable as failure:
                 last_failure = failure
+            finally:
+                if self._pd is not None:
+                    await self._pd.finish(leg)
         assert last_failure is not None
         if last_failure.response is not None:
             return last_failure.response  # the last upstream's own 5xx, passed through
@@ -139,6 +152,12 @@ class Proxy:
             code="upstream_unavailable",
         )
 
+    def _count_pd_decision(self, request: InferenceRequest, disaggregated: bool) -> None:
+        decision = request.attributes.get(PD_DECISION)
+        if decision is not None:
+            mode = "disaggregated" if disaggregated else "decode_only"
+            self._metrics.child(self._metrics.pd_decisions, mode, decision[1]).inc()
+
     async def _attempt(
         self,
         http_request: web.Request,
@@ -146,12 +165,13 @@ class Proxy:
         endpoint: Endpoint,
         extra_headers: dict[str, str],
         attempt: _Attempt,
+        body: bytes,
     ) -> web.StreamResponse:
         self._hooks.on_send(request, endpoint)
         ok = False
         upstream: UpstreamResponse | None = None
         try:
-            upstream = await self._open(request, endpoint, attempt)
+            upstream = await self._open(request, endpoint, attempt, body)
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
             if self._endpoint_headers is not None:
                 headers.update(self._endpoint_headers(request, endpoint))
@@ -187,14 +207,12 @@ class Proxy:
         return min(asyncio.get_running_loop().time() + budget_s, attempt.deadline)
 
     async def _open(
-        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
     ) -> UpstreamResponse:
         headers = {"content-type": "application/json", "x-request-id": request.request_id}
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
-                return await self._client.post(
-                    endpoint.url, request.api.upstream_path, request.raw_body, headers
-                )
+                return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
         except TimeoutError:
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
             raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None

@@ -142,14 +142,20 @@ class ScoredEndpoint:
 
 @dataclass(slots=True)
 class SchedulingResult:
-    """Per-profile ranked candidates; ``primary_profile`` names the one the proxy sends to."""
+    """Per-profile ranked candidates; ``primary_profile`` names the one the proxy sends to,
+    ``prefill_profile`` the one a separate prefill leg goes to."""
 
     profile_results: dict[str, list[ScoredEndpoint]]
     primary_profile: str
+    prefill_profile: str | None = None  # set when the request is disaggregated (P/D)
 
     @property
     def ranked(self) -> list[ScoredEndpoint]:
         return self.profile_results[self.primary_profile]
+
+    @property
+    def prefill_ranked(self) -> list[ScoredEndpoint] | None:
+        return self.profile_results[self.prefill_profile] if self.prefill_profile else None
 
     def explain(self) -> str:
         return " | ".join(

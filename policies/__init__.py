@@ -8,7 +8,7 @@ from gateway.scheduling.framework import PluginKind
 from gateway.scheduling.registry import PluginRegistry
 from policies.filters import healthy, model, role
 from policies.pickers import max_score, random_pick, round_robin
-from policies.profiles import single
+from policies.profiles import pd_disagg, single
 from policies.scorers import (
     cache_room,
     in_flight,
@@ -33,7 +33,7 @@ BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
         session_affinity,
     ),
     PluginKind.PICKER: (max_score, random_pick, round_robin),
-    PluginKind.PROFILE_HANDLER: (single,),
+    PluginKind.PROFILE_HANDLER: (single, pd_disagg),
 }
 
 

@@ -13,7 +13,7 @@ from gateway.scheduling.framework import PluginContext, PluginKind
 from gateway.scheduling.registry import PluginRegistry
 from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
 
-__all__ = ["DEFAULT_POLICY", "PRESETS", "build_scheduler", "preset"]
+__all__ = ["DEFAULT_POLICY", "PRESETS", "build_scheduler", "pd_preset", "preset"]
 
 _BASE_FILTERS = (PluginSpec(type="healthy"), PluginSpec(type="model"))
 _TIE_BREAK = PluginSpec(type="max-score", parameters={"tolerance": 0.02})
@@ -57,6 +57,45 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
 DEFAULT_POLICY = "prefix-aware"
 
 
+def pd_preset(config: GatewayConfig) -> tuple[list[PluginSpec], list[ProfileSpec]]:
+    """Two pools: decode (prefix cost, session affinity) and prefill (prefix cost), under ``pd-disagg``."""
+    plugins = [
+        *_BASE_FILTERS,
+        PluginSpec(type="role", name="decode-pool", parameters={"roles": ["decode", "both"]}),
+        PluginSpec(type="role", name="prefill-pool", parameters={"roles": ["prefill"]}),
+        PluginSpec(type="prefix-cost"),
+        PluginSpec(type="session-affinity"),
+        PluginSpec(type="kv-utilization"),
+        _TIE_BREAK,
+        PluginSpec(
+            type="pd-disagg",
+            parameters={"decider": config.pd.decider, "threshold_tokens": config.pd.threshold_tokens},
+        ),
+    ]
+    common = [ProfilePluginRef(ref="healthy"), ProfilePluginRef(ref="model")]
+    decode = ProfileSpec(
+        name="decode",
+        plugins=[
+            *common,
+            ProfilePluginRef(ref="decode-pool"),
+            ProfilePluginRef(ref="prefix-cost", weight=1),
+            ProfilePluginRef(ref="kv-utilization", weight=0.2),
+            ProfilePluginRef(ref="session-affinity", weight=0.5),
+            ProfilePluginRef(ref="max-score"),
+        ],
+    )
+    prefill = ProfileSpec(
+        name="prefill",
+        plugins=[
+            *common,
+            ProfilePluginRef(ref="prefill-pool"),
+            ProfilePluginRef(ref="prefix-cost", weight=1),
+            ProfilePluginRef(ref="max-score"),
+        ],
+    )
+    return plugins, [decode, prefill]
+
+
 def preset(name: str) -> tuple[list[PluginSpec], list[ProfileSpec]]:
     try:
         return PRESETS[name]
@@ -67,6 +106,8 @@ def preset(name: str) -> tuple[list[PluginSpec], list[ProfileSpec]]:
 def build_scheduler(config: GatewayConfig, registry: PluginRegistry, context: PluginContext) -> Scheduler:
     if config.plugins:
         plugin_specs, profile_specs = config.plugins, config.profiles
+    elif any(e.role == "prefill" for e in config.endpoints) and config.policy is None:
+        plugin_specs, profile_specs = pd_preset(config)
     else:
         plugin_specs, profile_specs = preset(config.policy or DEFAULT_POLICY)
 

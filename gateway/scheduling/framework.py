@@ -103,6 +103,12 @@ class ProfileHandler(Protocol):
         """The profile whose ranking the proxy sends the (main/decode) request with."""
         ...
 
+    def prefill_profile(
+        self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]
+    ) -> str | None:
+        """The profile whose ranking serves a separate prefill leg (P/D), or None."""
+        ...
+
     def profiles_used(self) -> tuple[str, ...]:
         """Profile names this handler refers to by name; checked against the config at start-up."""
         ...

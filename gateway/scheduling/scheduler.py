@@ -79,8 +79,9 @@ class Scheduler:
             for name in to_run:
                 results[name] = self._run_profile(self.profiles[name], request, endpoints)
         primary = self.handler.primary_profile(request, results)
+        prefill = self.handler.prefill_profile(request, results)
         self._metrics.scheduling_latency.observe(time.perf_counter() - started)
-        result = SchedulingResult(results, primary)
+        result = SchedulingResult(results, primary, prefill)
         if request.debug or log.isEnabledFor(logging.DEBUG):
             log.debug("request %s model=%s scores: %s", request.request_id, request.model, result.explain())
         return result

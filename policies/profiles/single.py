@@ -30,6 +30,11 @@ class SingleProfileHandler:
     def profiles_used(self) -> tuple[str, ...]:
         return (self.profile,) if self.profile else ()
 
+    def prefill_profile(
+        self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]
+    ) -> str | None:
+        return None
+
     def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
         return next(iter(results))
 

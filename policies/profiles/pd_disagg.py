@@ -1,0 +1,91 @@
+"""Profile handler ``pd-disagg``: prefill/decode disaggregation as two scheduling profiles.
+
+Runs the ``decode`` profile first (every request needs a decode replica), then asks the
+decider whether this request should be prefilled elsewhere; if so it runs the
+``prefill`` profile too. The proxy sends with the decode ranking and, when a prefill
+ranking exists, runs the prefill leg first (vLLM NixlConnector) or alongside
+(SGLang bootstrap).
+
+Deciders:
+- ``always``: every request is disaggregated;
+- ``never``: decode-only (the pools still exist; useful to compare);
+- ``prefix-aware``: disaggregate only when the part of the prompt the chosen decode
+  replica has *not* cached exceeds ``threshold_tokens`` — short or mostly cached
+  prompts are cheaper to prefill in place than to transfer (llm-d's prefix-based decider).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.pd import PD_DECISION
+from gateway.prefix.cache import PrefixCache
+from gateway.scheduling.framework import PluginContext
+from gateway.types import InferenceRequest, ScoredEndpoint
+from policies.params import Params
+
+TYPE_NAME = "pd-disagg"
+
+
+class PDProfileHandler:
+    def __init__(
+        self,
+        name: str,
+        prefix: PrefixCache,
+        decider: str,
+        threshold_tokens: float,
+        decode_profile: str,
+        prefill_profile: str,
+    ) -> None:
+        self.name = name
+        self._prefix = prefix
+        self._decider = decider
+        self._threshold = threshold_tokens
+        self._decode = decode_profile
+        self._prefill = prefill_profile
+
+    def profiles_used(self) -> tuple[str, ...]:
+        return (self._decode, self._prefill)
+
+    def pick_profiles(
+        self,
+        request: InferenceRequest,
+        profiles: Sequence[str],
+        results: dict[str, list[ScoredEndpoint]],
+    ) -> list[str]:
+        if not results:
+            return [self._decode]
+        if self._prefill in results:
+            return []
+        disaggregate, reason = self._decide(request, results[self._decode])
+        request.attributes[PD_DECISION] = (disaggregate, reason)
+        return [self._prefill] if disaggregate else []
+
+    def _decide(self, request: InferenceRequest, decode_ranked: list[ScoredEndpoint]) -> tuple[bool, str]:
+        if self._decider == "always":
+            return True, "always"
+        if self._decider == "never":
+            return False, "never"
+        uncached = self._prefix.uncached_tokens(request, decode_ranked[0].endpoint)
+        if uncached > self._threshold:
+            return True, "uncached_prompt_long"
+        return False, "uncached_prompt_short"
+
+    def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
+        return self._decode
+
+    def prefill_profile(
+        self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]
+    ) -> str | None:
+        return self._prefill if self._prefill in results else None
+
+
+def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> PDProfileHandler:
+    params = Params(parameters)
+    decider = params.choice("decider", "prefix-aware", ("always", "never", "prefix-aware"))
+    threshold = params.number("threshold_tokens", 512, low=0)
+    decode = params.optional_string("decode_profile") or "decode"
+    prefill = params.optional_string("prefill_profile") or "prefill"
+    params.done()
+    return PDProfileHandler(name, context.prefix, decider, threshold, decode, prefill)
