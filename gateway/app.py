@@ -40,7 +40,7 @@ from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
 from gateway.upstream import UpstreamClient
 
-__all__ = ["build_app", "build_prefix_index", "build_session_store"]
+__all__ = ["build_app", "build_plugin_context", "build_prefix_index", "build_session_store"]
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,12 @@ def build_session_store(config: SessionConfig, metrics: GatewayMetrics) -> Sessi
     )
 
 
-def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
-    """Validate and wire everything; raises ConfigError before any socket is opened."""
-    metrics = GatewayMetrics()
-    registry = EndpointRegistry(endpoint_from_config(e) for e in config.endpoints)
+def build_plugin_context(
+    config: GatewayConfig, metrics: GatewayMetrics, prefix_index: PrefixIndex | None = None
+) -> PluginContext:
+    """The shared services plugins are built with: prefix cache, sessions, saturation detector."""
     prefix = PrefixCache(
-        build_prefix_index(config.prefix, metrics),
+        prefix_index or build_prefix_index(config.prefix, metrics),
         metrics,
         block_bytes=config.prefix.block_bytes,
         default_capacity_blocks=config.prefix.capacity_blocks,
@@ -101,7 +101,15 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         metrics,
         config.sessions.token_header,
     )
-    context = PluginContext(metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector)
+    return PluginContext(metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector)
+
+
+def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
+    """Validate and wire everything; raises ConfigError before any socket is opened."""
+    metrics = GatewayMetrics()
+    registry = EndpointRegistry(endpoint_from_config(e) for e in config.endpoints)
+    context = build_plugin_context(config, metrics)
+    prefix, sessions, detector = context.prefix, context.sessions, context.saturation
     scheduler = build_scheduler(config, plugin_registry or default_registry(), context)
     state = GatewayState(
         config=config,

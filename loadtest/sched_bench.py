@@ -23,13 +23,12 @@ import sys
 import time
 import uuid
 
+from gateway.app import build_plugin_context
 from gateway.config import load_config
 from gateway.metrics import GatewayMetrics
 from gateway.parsing import parse_request
-from gateway.prefix.cache import PrefixCache
 from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.scheduling.build import build_scheduler
-from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import default_registry
 from gateway.types import ApiKind, Endpoint
 
@@ -55,10 +54,10 @@ def _body(tokens: int, seed: int) -> bytes:
 
 
 async def _measure(policy: str, index, endpoints: list[Endpoint], body: bytes, iterations: int) -> dict:
-    metrics = GatewayMetrics()
-    prefix = PrefixCache(index, metrics, block_bytes=64, default_capacity_blocks=65536)
     config = load_config(overrides={"policy": policy}, environ={})
-    scheduler = build_scheduler(config, default_registry(), PluginContext(metrics=metrics, prefix=prefix))
+    context = build_plugin_context(config, GatewayMetrics(), prefix_index=index)
+    prefix = context.prefix
+    scheduler = build_scheduler(config, default_registry(), context)
     # Warm: the prompt's prefix is cached on 3 of the endpoints, to different depths.
     warm = parse_request(ApiKind.CHAT, body, request_id="warm", headers={})
     hashes = prefix.hashes(warm)
