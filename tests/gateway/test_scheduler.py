@@ -13,7 +13,7 @@ from gateway.errors import NoHealthyEndpoint
 from gateway.metrics import GatewayMetrics
 from gateway.scheduling.framework import PluginKind
 from gateway.scheduling.registry import default_registry
-from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
+from gateway.scheduling.scheduler import PLUGIN_TIMING_EVERY, Profile, Scheduler, WeightedScorer
 from gateway.types import Endpoint, InferenceRequest, ScoredEndpoint
 from tests.gateway.harness import chat_body
 from tests.policies.helpers import endpoint, make_plugin, request
@@ -88,9 +88,11 @@ async def test_max_score_picks_the_highest_weighted_total():
 
 
 async def test_plugin_latency_histogram_is_populated():
+    """Every plugin is timed on one request in PLUGIN_TIMING_EVERY; scheduling on every request."""
     a, b = endpoint(1), endpoint(2, healthy=False)
     s = scheduler((Fixed("fx", {a: 1.0}), 1.0), filters=(make_plugin("healthy"),))
-    for _ in range(5):
+    requests = 5 * PLUGIN_TIMING_EVERY
+    for _ in range(requests):
         await s.schedule(request(), [a, b])
     registry = s._metrics.registry
     sample = registry.get_sample_value
@@ -99,7 +101,7 @@ async def test_plugin_latency_histogram_is_populated():
     assert sample(name, {"kind": "scorer", "plugin": "fx"}) == 5
     assert sample(name, {"kind": "picker", "plugin": "keep-order"}) == 5
     assert sample("llm_gateway_plugin_duration_seconds_sum", {"kind": "scorer", "plugin": "fx"}) > 0
-    assert sample("llm_gateway_scheduling_duration_seconds_count") == 5
+    assert sample("llm_gateway_scheduling_duration_seconds_count") == requests
 
 
 async def test_filters_removing_everything_raise_no_healthy_endpoint():
