@@ -21,6 +21,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill replica (P/D)")
     parser.add_argument("--decode", action="append", default=[], metavar="URL", help="decode replica (P/D)")
     parser.add_argument("--pd-protocol", choices=["vllm", "sglang"], help="P/D wire protocol (default vllm)")
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=8998,
+        help="SGLang: the prefill replicas' bootstrap port (default 8998, SGLang's); per endpoint: --config",
+    )
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8080)")
     parser.add_argument("--policy", help="routing preset: round-robin, random, least-load, ...")
@@ -34,7 +40,10 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if server:
         overrides["server"] = server
     endpoints = [{"url": url} for url in args.endpoint]
-    endpoints += [{"url": url, "role": "prefill"} for url in args.prefill]
+    prefill: dict[str, Any] = {"role": "prefill"}
+    if args.pd_protocol == "sglang":
+        prefill["bootstrap_port"] = args.bootstrap_port
+    endpoints += [{"url": url, **prefill} for url in args.prefill]
     endpoints += [{"url": url, "role": "decode"} for url in args.decode]
     if endpoints:
         overrides["endpoints"] = endpoints

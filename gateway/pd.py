@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PD_STATE = "pd_leg"  # request attribute: the PDLeg of the current decode attempt
 PD_DECISION = "pd_decision"  # request attribute: (disaggregate: bool, reason: str), set by the handler
+_FAILED_PREFILL = "pd_failed_prefill"  # request attribute: prefill endpoints that failed it
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 _EMPTY_TRANSFER = {
     "do_remote_decode": True,
@@ -57,6 +58,7 @@ class PDLeg:
     prefill_endpoint: Endpoint
     prefill_done_at: float | None = None  # monotonic; None while an SGLang prefill runs
     task: asyncio.Task[None] | None = None  # SGLang: the concurrent prefill request
+    failed: bool = False  # SGLang: the concurrent prefill failed
 
 
 class PDCoordinator:
@@ -72,12 +74,15 @@ class PDCoordinator:
         self, request: InferenceRequest, prefill_ranked: Sequence[Endpoint], retries: int
     ) -> PDLeg | None:
         """Run (vLLM) or start (SGLang) the prefill leg; None means decode-only (fallback)."""
-        for endpoint in prefill_ranked[: 1 + retries]:
+        failed: set[Endpoint] = request.attributes.setdefault(_FAILED_PREFILL, set())
+        untried = [e for e in prefill_ranked if e not in failed]
+        for endpoint in untried[: 1 + retries]:
             if self._config.protocol == "sglang":
                 return self._start_sglang(request, endpoint)
             leg = await self._vllm_prefill(request, endpoint)
             if leg is not None:
                 return leg
+            failed.add(endpoint)
         if not self._config.fallback_to_decode:
             raise UpstreamError("prefill failed on every prefill replica", code="prefill_failed")
         self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_failed").inc()
@@ -161,6 +166,8 @@ class PDCoordinator:
         prefill_body.pop("stream_options", None)
         payload = await self._post(request, leg.prefill_endpoint, json.dumps(prefill_body).encode())
         if payload is None:
+            leg.failed = True
+            request.attributes.setdefault(_FAILED_PREFILL, set()).add(leg.prefill_endpoint)
             self._degraded(request, "prefill_failed", leg.prefill_endpoint)
             return
         leg.prefill_done_at = time.monotonic()

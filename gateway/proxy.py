@@ -17,19 +17,22 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, error_body
 from gateway.metrics import GatewayMetrics
-from gateway.pd import PD_DECISION, PD_STATE, PDCoordinator
+from gateway.pd import PD_DECISION, PD_STATE, PDCoordinator, PDLeg
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
 from gateway.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 
 __all__ = ["STREAM_STARTED", "Proxy", "RequestHooks", "extract_usage"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +131,18 @@ class Proxy:
         attempt = _Attempt(started=time.monotonic(), deadline=loop.time() + self._timeouts.total_s)
         prefill = result.prefill_ranked
         self._count_pd_decision(request, prefill is not None)
-        for index, endpoint in enumerate(attempts):
-            if index > 0:
-                self._metrics.retries.labels(last_failure.reason if last_failure else "unknown").inc()
-                log.info("request %s: retrying on %s", request.request_id, endpoint.name)
+        # A failed prefill leg is not the decode replica's fault: the pair is re-sent with
+        # the same decode replica and the next prefill replica (or decode-only at the end).
+        budget = len(attempts) + (len(prefill) if prefill else 0)
+        index = 0
+        while index < len(attempts) and budget > 0:
+            endpoint = attempts[index]
+            budget -= 1
+            if last_failure is not None:
+                self._metrics.retries.labels(last_failure.reason).inc()
+                log.info(
+                    "request %s: retrying on %s (%s)", request.request_id, endpoint.name, last_failure.reason
+                )
             leg = None
             if prefill is not None and self._pd is not None:  # a fresh prefill for every decode attempt
                 leg = await self._pd.prepare(request, [s.endpoint for s in prefill], self._limits.retries)
@@ -141,6 +152,8 @@ class Proxy:
                 return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
             except _Retryable as failure:
                 last_failure = failure
+                if failure.reason != "prefill_failed":
+                    index += 1
             finally:
                 if self._pd is not None:
                     await self._pd.finish(leg)
@@ -171,7 +184,7 @@ class Proxy:
         ok = False
         upstream: UpstreamResponse | None = None
         try:
-            upstream = await self._open(request, endpoint, attempt, body)
+            upstream = await self._unless_prefill_fails(request, self._open(request, endpoint, attempt, body))
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
             if self._endpoint_headers is not None:
                 headers.update(self._endpoint_headers(request, endpoint))
@@ -277,13 +290,19 @@ class Proxy:
         headers: dict[str, str],
         attempt: _Attempt,
     ) -> tuple[web.StreamResponse, bool]:
-        """Pipe the SSE stream; returns the response and whether it ended cleanly."""
+        """Pipe the SSE stream; returns the response and whether it ended cleanly.
+
+        The client's response is committed only when the first chunk is in hand: until
+        then a broken upstream (or, for SGLang P/D, a failed prefill leg) is retryable.
+        """
+        first_chunk = await self._first_chunk(request, upstream, attempt)
         headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         first = True
+        pending_first = first_chunk
         failure: str | None = None
         read_chunk = upstream.readany
         idle_s = self._timeouts.idle_s
@@ -291,11 +310,14 @@ class Proxy:
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
                 while True:
-                    try:
-                        chunk = await read_chunk()
-                    except ConnectionLost as exc:
-                        failure = f"upstream stream broke: {exc}"
-                        break
+                    if pending_first is not None:
+                        chunk, pending_first = pending_first, None
+                    else:
+                        try:
+                            chunk = await read_chunk()
+                        except ConnectionLost as exc:
+                            failure = f"upstream stream broke: {exc}"
+                            break
                     if not chunk:
                         break
                     await response.write(chunk)  # a client that left raises here, on purpose
@@ -319,6 +341,34 @@ class Proxy:
         await response.write_eof()
         self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
+
+    async def _first_chunk(
+        self, request: InferenceRequest, upstream: UpstreamResponse, attempt: _Attempt
+    ) -> bytes:
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
+                return await self._unless_prefill_fails(request, upstream.readany())
+        except TimeoutError:
+            raise UpstreamTimeout("upstream sent headers but no data in time") from None
+        except ConnectionLost as exc:
+            raise _Retryable("disconnected") from exc
+
+    async def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> T:
+        """Await ``wait``, unless a concurrent SGLang prefill leg fails first: then re-send the pair."""
+        leg: PDLeg | None = request.attributes.get(PD_STATE)
+        prefill = leg.task if leg is not None else None
+        if prefill is None or prefill.done():
+            return await wait
+        waiting = asyncio.ensure_future(wait)
+        try:
+            await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done() and leg is not None and leg.failed:
+                raise _Retryable("prefill_failed")
+            return await waiting
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
 
     def _report_usage(self, request: InferenceRequest, endpoint: Endpoint, tail: bytes) -> None:
         usage = extract_usage(tail)

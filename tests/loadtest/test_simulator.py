@@ -402,7 +402,10 @@ async def test_fault_error_hang_drop_slow() -> None:
         slow_model, slow_wall = sim.engine.stats.model_s - m0, time.monotonic() - t0
         assert status == 200
         assert slow_model == pytest.approx(8 * normal, rel=0.01)
-        assert slow_wall >= 0.9 * slow_model  # ~20 steps x 8 x 0.3 ms really slept
+        # ~20 steps x 8 x 0.3 ms really slept (the engine shortens sleeps to repay earlier
+        # overruns, so wall time may fall a little short of the model; without the sleeps
+        # it would be near zero)
+        assert slow_wall >= 0.5 * slow_model
         await set_fault(s, sim, mode="none")
         async with s.get(sim.url + "/admin/state") as r:
             state = await r.json()
