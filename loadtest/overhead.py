@@ -634,7 +634,7 @@ async def run_overhead(args: argparse.Namespace) -> int:
 
         for peer_name in args.peers:
             if peer_name not in PEER_ROUTERS or not peer_available(peer_name):
-                note = f"{peer_name} not installed (.venv-peers or LLM_GATEWAY_PEERS_PYTHON): skipped"
+                note = f"{peer_name} not installed (.venv-peers or LLMGW_PEERS_PYTHON): skipped"
                 notes.append(note)
                 for variant in args.variants:
                     bench.rows.append(Row(peer_name, "peer", variant, None, note="not installed"))

@@ -3,7 +3,7 @@
 The peers live in their own virtual environment (``.venv-peers`` at the repository root,
 created with ``python3 -m venv .venv-peers && .venv-peers/bin/pip install sglang-router
 vllm-router``) so that their dependency pins never touch the gateway's environment. When
-that venv is absent, the interpreter named by ``LLM_GATEWAY_PEERS_PYTHON`` is used.
+that venv is absent, the interpreter named by ``LLMGW_PEERS_PYTHON`` is used.
 
 Both routers are Rust binaries wrapped by a Python launcher (one process, no children).
 At start-up they try to fetch a tokenizer from a model hub; :func:`offline_env` points
@@ -45,7 +45,9 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO_ROOT / ".venv-peers"
-PEERS_PYTHON_ENV = "LLM_GATEWAY_PEERS_PYTHON"
+# Not LLM_GATEWAY_*: that prefix is the gateway's own config namespace, where an unknown
+# key is a start-up error.
+PEERS_PYTHON_ENV = "LLMGW_PEERS_PYTHON"
 
 #: A loopback port nothing listens on: hub and proxy traffic sent there fails at once.
 _DEAD_ENDPOINT = "http://127.0.0.1:9"
@@ -158,7 +160,7 @@ def peers_python() -> str | None:
     """Return the interpreter that has the peer routers installed, or ``None``.
 
     ``.venv-peers/bin/python`` at the repository root wins; otherwise the path in
-    ``LLM_GATEWAY_PEERS_PYTHON`` (an absolute path or a name found on ``PATH``).
+    ``LLMGW_PEERS_PYTHON`` (an absolute path or a name found on ``PATH``).
     """
     venv_python = PEERS_VENV / "bin" / "python"
     if venv_python.exists():
