@@ -44,13 +44,13 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
     ),
     # Expected-cost routing: prefix hits against queued work; cache room breaks cold ties.
     "prefix-aware": _preset(
-        _TIE_BREAK, (PluginSpec(type="prefix-cost"), 1), (PluginSpec(type="cache-room"), 0.02)
+        _TIE_BREAK, (PluginSpec(type="prefix-cost"), 1), (PluginSpec(type="cache-room"), 0.1)
     ),
     # prefix-aware plus session stickiness: a conversation stays on its replica while it has room.
     "session-aware": _preset(
         _TIE_BREAK,
         (PluginSpec(type="prefix-cost"), 1),
-        (PluginSpec(type="cache-room"), 0.02),
+        (PluginSpec(type="cache-room"), 0.1),
         (PluginSpec(type="session-affinity"), 0.5),
     ),
 }
