@@ -47,7 +47,11 @@ class MemoryPrefixIndex:
                 result[endpoint] = 0
                 continue
             entries = blocks.entries
-            low, high = 0, len(hashes)  # invariant: hashes[:low] present; hashes[high:] absent
+            first = entries.get(hashes[0])
+            if first is None or first < expired_before:  # holds nothing of this prompt: one lookup
+                result[endpoint] = 0
+                continue
+            low, high = 1, len(hashes)  # invariant: hashes[:low] present; hashes[high:] absent
             while low < high:
                 mid = (low + high + 1) // 2
                 seen = entries.get(hashes[mid - 1])

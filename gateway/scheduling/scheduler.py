@@ -79,23 +79,30 @@ class Scheduler:
         results: dict[str, list[ScoredEndpoint]] = {}
         self._requests += 1
         timed = self._requests % PLUGIN_TIMING_EVERY == 0
+        explain = request.debug or log.isEnabledFor(logging.DEBUG)
         while True:
             to_run = self.handler.pick_profiles(request, self._profile_names, results)
             if not to_run:
                 break
             for name in to_run:
-                results[name] = self._run_profile(self.profiles[name], request, endpoints, timed)
+                results[name] = self._run_profile(self.profiles[name], request, endpoints, timed, explain)
         primary = self.handler.primary_profile(request, results)
         prefill = self.handler.prefill_profile(request, results)
         self._metrics.scheduling_latency.observe(time.perf_counter() - started)
         result = SchedulingResult(results, primary, prefill)
-        if request.debug or log.isEnabledFor(logging.DEBUG):
+        if explain:
             log.debug("request %s model=%s scores: %s", request.request_id, request.model, result.explain())
         return result
 
     def _run_profile(
-        self, profile: Profile, request: InferenceRequest, endpoints: Sequence[Endpoint], timed: bool
+        self,
+        profile: Profile,
+        request: InferenceRequest,
+        endpoints: Sequence[Endpoint],
+        timed: bool,
+        explain: bool,
     ) -> list[ScoredEndpoint]:
+        """``explain`` keeps every plugin's score per candidate (debug header and log line)."""
         candidates: list[Endpoint] = list(endpoints)
         for flt in profile.filters:
             t0 = time.perf_counter()
@@ -107,8 +114,10 @@ class Scheduler:
                     f"no endpoint can serve model {request.model!r}: all candidates removed by"
                     f" filter {flt.name!r} in profile {profile.name!r}"
                 )
-        totals = {endpoint: 0.0 for endpoint in candidates}
-        per_plugin: dict[Endpoint, dict[str, float]] = {endpoint: {} for endpoint in candidates}
+        totals = dict.fromkeys(candidates, 0.0)
+        per_plugin: dict[Endpoint, dict[str, float]] = (
+            {endpoint: {} for endpoint in candidates} if explain else {}
+        )
         for weighted in profile.scorers:
             scorer = weighted.scorer
             t0 = time.perf_counter()
@@ -120,9 +129,10 @@ class Scheduler:
                 value = raw.get(endpoint, 0.0)
                 if not 0.0 <= value <= 1.0:  # clamp; NaN fails both bounds and becomes 0
                     value = 1.0 if value > 1.0 else 0.0
-                per_plugin[endpoint][name] = value
+                if explain:
+                    per_plugin[endpoint][name] = value
                 totals[endpoint] += weight * value
-        scored = [ScoredEndpoint(e, totals[e], per_plugin[e]) for e in candidates]
+        scored = [ScoredEndpoint(e, totals[e], per_plugin.get(e, {})) for e in candidates]
         t0 = time.perf_counter()
         ranked = profile.picker.pick(request, scored)
         if timed:

@@ -24,17 +24,24 @@ class MaxScorePicker:
         self._tolerance = tolerance
 
     def pick(self, request: InferenceRequest, scored: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
-        ranked = list(scored)
-        self._rng.shuffle(ranked)
-        ranked.sort(key=lambda s: s.score, reverse=True)  # stable: the shuffle decides ties
-        if self._tolerance > 0 and len(ranked) > 1:
+        ranked = sorted(scored, key=_score, reverse=True)
+        if len(ranked) > 1:
+            # The best candidate and every one within the tolerance of it (or tied with it)
+            # are equally good: put one of them first at random. Lower ranks only matter as
+            # retry fallbacks and keep their score order.
             floor = ranked[0].score - self._tolerance
-            near = sum(1 for s in ranked if s.score >= floor)
-            if near > 1:  # near-equal candidates: pick among them at random
+            near = 1
+            while near < len(ranked) and ranked[near].score >= floor:
+                near += 1
+            if near > 1:
                 head = ranked[:near]
                 self._rng.shuffle(head)
                 ranked[:near] = head
         return ranked
+
+
+def _score(scored: ScoredEndpoint) -> float:
+    return scored.score
 
 
 def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> MaxScorePicker:

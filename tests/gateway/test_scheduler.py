@@ -18,6 +18,9 @@ from gateway.types import Endpoint, InferenceRequest, ScoredEndpoint
 from tests.gateway.harness import chat_body
 from tests.policies.helpers import endpoint, make_plugin, request
 
+# Per-plugin scores are kept for requests that ask to see them (and for debug logging).
+DEBUG = {"x-gateway-debug": "1"}
+
 
 class Fixed:
     """A scorer returning whatever raw values it was given (missing endpoints: nothing)."""
@@ -51,7 +54,7 @@ async def test_raw_scores_are_clamped_and_nan_is_zero():
     fleet = [endpoint(i) for i in range(1, 8)]
     raw = [1.7, -0.3, math.nan, math.inf, -math.inf, 0.4]  # the 7th endpoint is missing: 0
     s = scheduler((Fixed("raw", dict(zip(fleet, raw, strict=False))), 1.0))
-    ranked = (await s.schedule(request(), fleet)).ranked
+    ranked = (await s.schedule(request(**DEBUG), fleet)).ranked
     assert [r.scores["raw"] for r in ranked] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.4, 0.0]
     assert [r.score for r in ranked] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.4, 0.0]
 
@@ -63,7 +66,7 @@ async def test_weighted_sum_of_scorers():
         (Fixed("y", {a: 1.0, b: 0.2}), 0.5),
         (Fixed("z", {a: 1.0, b: 1.0}), 0.0),
     )
-    ranked = (await s.schedule(request(), [a, b])).ranked
+    ranked = (await s.schedule(request(**DEBUG), [a, b])).ranked
     assert ranked[0].score == pytest.approx(2 * 0.5 + 0.5 * 1.0)
     assert ranked[1].score == pytest.approx(2 * 1.0 + 0.5 * 0.2)
     assert ranked[0].scores == {"x": 0.5, "y": 1.0, "z": 1.0}  # unweighted, per plugin
