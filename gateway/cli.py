@@ -1,4 +1,4 @@
-"""``llm-gateway serve | sim | bench | demo``: one entry point."""
+"""``llm-gateway serve | sim | bench | demo | plan``: one entry point."""
 
 from __future__ import annotations
 
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.demo import add_demo_arguments
 
     add_demo_arguments(commands.add_parser("demo", help="simulated fleet + gateway + load: the comparison"))
+    from gateway.planner import add_plan_arguments
+
+    add_plan_arguments(commands.add_parser("plan", help="size a fleet: GPUs per replica, replicas"))
     return parser
 
 
@@ -96,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _run_serve(args)
+    if args.command == "plan":
+        from gateway.planner import run_plan
+
+        return run_plan(args)
     if args.command == "sim":
         from loadtest.simulator.cli import run_sim
 
