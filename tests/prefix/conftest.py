@@ -15,10 +15,9 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 import redis
 
@@ -165,16 +164,7 @@ def scan_keys(url: str, prefix: str) -> list[str]:
 # -- simulators and gateways ------------------------------------------------------------
 
 
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as exit_stack:
-        yield exit_stack
-
-
-@pytest.fixture
-async def http(stack: contextlib.AsyncExitStack) -> aiohttp.ClientSession:
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
-    return await stack.enter_async_context(session)
+# `stack` and `http` come from tests/conftest.py.
 
 
 @pytest.fixture
