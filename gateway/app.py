@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admission import AdmissionController
+from gateway.autoscale import AutoscaleCollector
 from gateway.config import GatewayConfig, PrefixConfig, SessionConfig
 from gateway.endpoints.health import HealthChecker
 from gateway.endpoints.poller import MetricsPoller
@@ -129,6 +130,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
 
     metrics.watch_endpoints(lambda: registry, prefix.size)
     metrics.sessions_active.set_function(sessions.store.active)
+    metrics.registry.register(AutoscaleCollector(lambda: registry, config.autoscale))
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state

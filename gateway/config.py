@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "AdmissionConfig",
+    "AutoscaleConfig",
     "ConfigError",
     "EndpointConfig",
     "GatewayConfig",
@@ -159,6 +160,12 @@ class PDConfig(_Strict):
     fallback_to_decode: bool = Field(True, description="prefill failed everywhere → decode-only, counted")
 
 
+class AutoscaleConfig(_Strict):
+    kv_target: float = Field(0.7, gt=0, le=1, description="KV utilisation a replica should run at")
+    queue_target: float = Field(2.0, gt=0, description="waiting requests a replica may carry")
+    headroom: float = Field(0.1, ge=0, lt=1, description="spare capacity kept warm")
+
+
 class PluginSpec(_Strict):
     type: str
     name: str | None = None
@@ -190,6 +197,7 @@ class GatewayConfig(_Strict):
     sessions: SessionConfig = Field(default_factory=SessionConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     pd: PDConfig = Field(default_factory=PDConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)
