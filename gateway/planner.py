@@ -27,8 +27,8 @@ in the seed (checked in tests/test_planner.py):
 * "8k tokens" of context is 8,192.
 
 The result is a floor: it ignores activations, CUDA graphs, fragmentation and the
-throughput / latency SLOs a load test must still confirm. ``--live`` (sizing against a
-running fleet's scraped metrics) is not implemented.
+throughput / latency SLOs a load test must still confirm. ``--live URL`` sizes against a
+running gateway's observed load instead (``gateway/planner_live.py``).
 """
 
 from __future__ import annotations
@@ -340,6 +340,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="GPUs per NVLink node")
     parser.add_argument("--compare", action="store_true", help="every weights/KV precision side by side")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--live", metavar="URL", help="read a running gateway's fleet metrics and report what its load needs"
+    )
 
 
 def _model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -439,8 +442,24 @@ def _format_compare(plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
+def _run_live(args: argparse.Namespace) -> int:
+    import httpx
+
+    from gateway.planner_live import format_live, read_live
+
+    try:
+        report = read_live(args.live)
+    except (ValueError, httpx.HTTPError) as exc:
+        print(f"llm-gateway plan: error: cannot size from {args.live}: {exc}", file=sys.stderr)
+        return 2
+    print(format_live(report, args.json))
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan (table or ``--json``); bad input is one line on stderr and exit code 2."""
+    if getattr(args, "live", None):
+        return _run_live(args)
     try:
         request = _request_from_args(args)
         plans = compare(request) if args.compare else [plan(request)]
