@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from gateway.access_log import AccessLog
 from gateway.admission import AdmissionController
 from gateway.autoscale import AutoscaleCollector
 from gateway.config import GatewayConfig, PrefixConfig, SessionConfig
@@ -120,6 +121,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         prefix=prefix,
         sessions=sessions,
         admission=AdmissionController(config.admission, detector, metrics, registry.candidates),
+        access_log=AccessLog(config.server.access_log == "json"),
         parse_options=ParseOptions(
             session_header=config.sessions.header,
             session_body_fields=tuple(config.sessions.body_fields),

@@ -45,6 +45,7 @@ class ServerConfig(_Strict):
     workers: int = Field(1, ge=1, le=64, description="processes sharing the port via SO_REUSEPORT")
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_timeout_s: float = Field(30.0, ge=0)
+    access_log: Literal["off", "json"] = Field("off", description="json: one JSON line per request")
 
 
 class EndpointConfig(_Strict):

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.access_log import INFERENCE_REQUEST
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
 from gateway.parsing import parse_request
@@ -29,11 +30,18 @@ def _inference_handler(api: ApiKind) -> Handler:
             headers=http_request.headers,
             options=state.parse_options,
         )
+        http_request[INFERENCE_REQUEST] = request
         _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
         ticket = await state.admission.admit(request)
         try:
             candidates = _candidates(state, request.model)  # the model may have been degraded
             result = await state.scheduler.schedule(request, candidates)
+            if state.access_log.enabled:
+                best = result.ranked[0]
+                request.attributes["route"] = {
+                    "profile": result.primary_profile,
+                    "score": round(best.score, 4),
+                }
             extra = {"x-request-id": request.request_id}
             if ticket.degraded:
                 extra["x-gateway-degraded"] = ticket.degraded

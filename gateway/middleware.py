@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from aiohttp import web
 
 from gateway.errors import GatewayError, error_response
 from gateway.proxy import STREAM_STARTED
+from gateway.state import STATE
 
 __all__ = ["REQUEST_ID", "error_middleware"]
 
@@ -35,6 +37,7 @@ def _request_id(request: web.Request) -> str:
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     request_id = _request_id(request)
     request[REQUEST_ID] = request_id
+    started = time.monotonic()
     try:
         response = await handler(request)
     except GatewayError as exc:
@@ -63,4 +66,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(500, "internal gateway error", "server_error", "internal_error")
     if not response.prepared:
         response.headers["x-request-id"] = request_id
+    access_log = request.app[STATE].access_log
+    if access_log.enabled:
+        access_log.write(request, request_id, response.status, started)
     return response

@@ -181,6 +181,7 @@ class Proxy:
         body: bytes,
     ) -> web.StreamResponse:
         self._hooks.on_send(request, endpoint)
+        request.attributes["endpoint"] = endpoint.name
         ok = False
         upstream: UpstreamResponse | None = None
         try:
@@ -272,6 +273,7 @@ class Proxy:
         except ConnectionLost as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
         self._hooks.on_first_byte(request, endpoint)
+        request.attributes["ttft_ms"] = round((time.monotonic() - attempt.started) * 1000, 2)
         if upstream.status == 200:
             self._report_usage(request, endpoint, body[-2048:])
         headers["content-type"] = upstream.content_type  # passed through verbatim, charset included
@@ -324,9 +326,9 @@ class Proxy:
                     previous, last = last, chunk
                     if first:
                         first = False
-                        self._metrics.child(self._metrics.ttft, request.model).observe(
-                            time.monotonic() - attempt.started
-                        )
+                        ttft = time.monotonic() - attempt.started
+                        self._metrics.child(self._metrics.ttft, request.model).observe(ttft)
+                        request.attributes["ttft_ms"] = round(ttft * 1000, 2)
                         self._hooks.on_first_byte(request, endpoint)
                     limit.reschedule(self._wait_limit(attempt, idle_s))
         except TimeoutError:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from gateway.access_log import AccessLog
 from gateway.admission import AdmissionController
 from gateway.config import GatewayConfig
 from gateway.endpoints.registry import EndpointRegistry
@@ -29,6 +30,7 @@ class GatewayState:
     sessions: SessionAffinity
     admission: AdmissionController
     parse_options: ParseOptions
+    access_log: AccessLog
     proxy: Proxy | None = None  # set once the client session exists (app startup)
 
 
