@@ -6,12 +6,14 @@ instead of a dashboard panel.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -277,5 +279,203 @@ def test_keda_scaledobject_uses_desired_replicas():
     assert scaled["spec"]["scaleTargetRef"]["name"]
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
+    # Replica-count gauge: AverageValue, threshold 1 gives replicas = ceil(gauge).
+    assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "1"
     assert "llm_gateway_pool_desired_replicas" in trigger["metadata"]["query"]
     assert trigger["metadata"]["serverAddress"].startswith("http")
+
+
+# --- All manifests, examples included: schemas and cross-references ---------------------------
+
+K8S_VERSION = "1.30.0"  # a version kubernetes-validate ships strict schemas for
+# Custom resources are not in the Kubernetes schema set: their apiVersion and required fields.
+CRD_REQUIRED = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
+    ("keda.sh/v1alpha1", "ScaledObject"): ("scaleTargetRef", "triggers"),
+}
+EXAMPLES = K8S / "examples"
+
+
+def all_k8s_docs() -> list[tuple[Path, dict[str, Any]]]:
+    """Every document under deploy/k8s, examples included, with the file it came from."""
+    out = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        out.extend((path, d) for d in yaml.safe_load_all(path.read_text()) if d is not None)
+    return out
+
+
+def docs_in(path: Path) -> list[dict[str, Any]]:
+    return [d for p, d in all_k8s_docs() if p == path]
+
+
+def test_expected_manifest_files_exist():
+    names = {p.relative_to(K8S).as_posix() for p, _ in all_k8s_docs()}
+    assert {
+        "servicemonitor.yaml",
+        "secret-api-keys.yaml",
+        "rbac-discovery.yaml",
+        "examples/vllm-pd-fleet.yaml",
+        "examples/hpa-external.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize(
+    ("path", "doc"),
+    all_k8s_docs(),
+    ids=[f"{p.relative_to(K8S).as_posix()}:{d['kind']}/{d['metadata']['name']}" for p, d in all_k8s_docs()],
+)
+def test_manifest_validates(path, doc):
+    key = (doc["apiVersion"], doc["kind"])
+    if doc["kind"] in {k for _, k in CRD_REQUIRED}:
+        assert key in CRD_REQUIRED, f"{path}: unexpected apiVersion {doc['apiVersion']} for {doc['kind']}"
+        assert doc["metadata"]["name"] and doc["metadata"]["namespace"] == "llm-gateway"
+        for field in CRD_REQUIRED[key]:
+            assert doc["spec"].get(field), f"{path}: {doc['kind']}.spec.{field} missing"
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_manifest_validation_rejects_bad_documents():
+    # The strict check really checks: an unknown field and a wrong type both fail.
+    dep = copy.deepcopy(one("Deployment", "llm-gateway"))
+    dep["spec"]["replicaz"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+    dep = copy.deepcopy(one("Deployment", "llm-gateway"))
+    dep["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_all_namespaced_objects_in_gateway_namespace():
+    for path, doc in all_k8s_docs():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == "llm-gateway", f"{path}: {doc['kind']}"
+
+
+def test_servicemonitor_scrapes_gateway_service_port():
+    (monitor,) = [d for _, d in all_k8s_docs() if d["kind"] == "ServiceMonitor"]
+    svc = one("Service", "llm-gateway")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    # It must not also select the Redis Service.
+    redis_labels = one("Service", "llm-gateway-redis")["metadata"]["labels"]
+    assert not monitor["spec"]["selector"]["matchLabels"].items() <= redis_labels.items()
+    assert svc["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
+    port_names = {p["name"] for p in svc["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in port_names
+    assert endpoint["path"] == "/metrics"
+
+
+def test_secrets_are_placeholders_and_match_deployment():
+    secrets = {d["metadata"]["name"]: d for d in docs_in(K8S / "secret-api-keys.yaml")}
+    assert set(secrets) == {"llm-gateway-api-keys", "llm-gateway-session-secret"}
+    for secret in secrets.values():
+        assert secret["kind"] == "Secret" and "data" not in secret
+        assert all("REPLACE_ME" in v for v in secret["stringData"].values())
+    # The key the Deployment reads exists in the session Secret.
+    (container,) = one("Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
+    refs = [
+        e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})
+    ]
+    ref = next(r for r in refs if r["name"] == "llm-gateway-session-secret")
+    assert ref["key"] in secrets["llm-gateway-session-secret"]["stringData"]
+
+
+def test_discovery_rbac_binds_gateway_service_account():
+    docs = {d["kind"]: d for d in docs_in(K8S / "rbac-discovery.yaml")}
+    role, binding = docs["Role"], docs["RoleBinding"]
+    (rule,) = role["rules"]
+    assert rule["apiGroups"] == [""]
+    assert set(rule["resources"]) == {"pods", "endpoints"}
+    assert set(rule["verbs"]) == {"get", "list", "watch"}  # read-only
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    sa = one("ServiceAccount", "llm-gateway")
+    gateway_sa = one("Deployment", "llm-gateway")["spec"]["template"]["spec"]["serviceAccountName"]
+    (subject,) = binding["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": gateway_sa, "namespace": sa["metadata"]["namespace"]}
+
+
+def pd_fleet() -> list[dict[str, Any]]:
+    return docs_in(EXAMPLES / "vllm-pd-fleet.yaml")
+
+
+def test_pd_fleet_pools():
+    docs = pd_fleet()
+    deployments = {
+        d["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"]: d
+        for d in docs
+        if d["kind"] == "Deployment"
+    }
+    assert set(deployments) == {"prefill", "decode"}
+    services = [d for d in docs if d["kind"] == "Service"]
+    for role, dep in deployments.items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["metadata"]["labels"]["llm-d.ai/role"] == role
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        # The selector separates the pools.
+        assert dep["spec"]["selector"]["matchLabels"]["llm-d.ai/role"] == role
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        assert container["image"].startswith("vllm/vllm-openai")
+        args = container["args"]
+        kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlConnector"
+        (svc,) = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        assert svc["spec"]["clusterIP"] == "None"  # headless
+        assert svc["spec"]["selector"]["llm-d.ai/role"] == role
+        port_names = {p["name"] for p in container["ports"]}
+        assert all(p["targetPort"] in port_names for p in svc["spec"]["ports"])
+
+
+def test_pd_fleet_gateway_config_builds(tmp_path):
+    docs = pd_fleet()
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    # Drop-in for configmap.yaml: the name the gateway Deployment mounts.
+    assert cm["metadata"]["name"] == one("ConfigMap", "llm-gateway-config")["metadata"]["name"]
+    path = tmp_path / "gateway.yaml"
+    path.write_text(cm["data"]["gateway.yaml"])
+    config = load_config(path, environ={})
+    assert config.pd.protocol == "vllm" and config.pd.decider == "prefix-aware"
+    roles = {e.role for e in config.endpoints}
+    assert {"prefill", "decode"} <= roles
+    # Every endpoint URL names a pool Service of the fleet, with the Service's port and role.
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for endpoint in config.endpoints:
+        host, port = endpoint.url.split("://", 1)[1].split(":")
+        svc = services[host.split(".")[0]]
+        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+        assert svc["spec"]["selector"]["llm-d.ai/role"] == endpoint.role
+    build_app(config)
+
+
+def test_pd_autoscaling_examples():
+    docs = docs_in(EXAMPLES / "hpa-external.yaml")
+    fleet = {d["metadata"]["name"]: d for d in pd_fleet() if d["kind"] == "Deployment"}
+    (hpa,) = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = fleet[hpa["spec"]["scaleTargetRef"]["name"]]
+    assert target["metadata"]["labels"]["llm-d.ai/role"] == "decode"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "llm_gateway_pool_desired_replicas"
+    assert metric["external"]["metric"]["selector"]["matchLabels"] == {"pool": "decode"}
+    # The gauge is a replica count: AverageValue 1 makes replicas = ceil(gauge).
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    target = fleet[scaled["spec"]["scaleTargetRef"]["name"]]
+    assert target["metadata"]["labels"]["llm-d.ai/role"] == "prefill"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert 'llm_gateway_pool_desired_replicas{pool="prefill"}' in trigger["metadata"]["query"]
+    # No Deployment is scaled by two autoscalers.
+    targets = [
+        d["spec"]["scaleTargetRef"]["name"]
+        for _, d in all_k8s_docs()
+        if "scaleTargetRef" in d.get("spec", {})
+    ]
+    assert len(targets) == len(set(targets))
