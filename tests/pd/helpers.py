@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from typing import Any
 
 import aiohttp
@@ -47,3 +49,15 @@ async def sim_metric(http: aiohttp.ClientSession, sim: RunningSimulator, sample:
 
 async def gw_metric(http: aiohttp.ClientSession, gw: Gateway, sample: str, **labels: str) -> float:
     return metric_value(await gateway_metrics(http, gw), sample, **labels) or 0.0
+
+
+async def stop_process(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """SIGTERM a process this test started, then SIGKILL it if it outlives ``grace_s``."""
+    if proc.returncode is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from gateway.cli import _serve_overrides, build_parser
 from gateway.config import ConfigError, load_config
 from tests.gateway.harness import free_port
-from tests.pd.helpers import MODEL, long_prompt, pd_counts
+from tests.pd.helpers import MODEL, long_prompt, pd_counts, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,10 +99,4 @@ async def test_cli_serve_quick_flags_subprocess(start_sim, http: aiohttp.ClientS
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
         assert pd_counts(decode) == (1, 0)
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await stop_process(proc)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import aiohttp
 import pytest
 
 from tests.gateway.harness import free_port, metric_value
-from tests.pd.helpers import MODEL, PROTOCOLS, long_prompt
+from tests.pd.helpers import MODEL, PROTOCOLS, long_prompt, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,13 +38,7 @@ async def sim_process(http: aiohttp.ClientSession, engine: str, role: str) -> As
             await asyncio.sleep(0.1)
         yield url
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await stop_process(proc)
 
 
 async def transfers(http: aiohttp.ClientSession, url: str) -> dict[str, int]:
