@@ -32,6 +32,7 @@ from gateway.prefix.cache import PrefixCache
 from gateway.prefix.index import PrefixIndex
 from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.proxy import Proxy, RequestHooks
+from gateway.resilience import CircuitBreakers, RetryBudget
 from gateway.saturation import SaturationDetector
 from gateway.scheduling.build import build_scheduler
 from gateway.scheduling.framework import PluginContext
@@ -122,11 +123,18 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         sessions=sessions,
         admission=AdmissionController(config.admission, detector, metrics, registry.candidates),
         access_log=AccessLog(config.server.access_log == "json"),
+        breakers=CircuitBreakers(
+            config.resilience, registry, metrics, scrape_timeout_s=config.scrape.timeout_s
+        ),
+        retry_budget=RetryBudget(
+            config.resilience.retry_budget_ratio, config.resilience.retry_budget_min_per_s
+        ),
         parse_options=ParseOptions(
             session_header=config.sessions.header,
             session_body_fields=tuple(config.sessions.body_fields),
             priority_header=config.admission.priority_header,
             tenant_header=config.admission.tenant_header,
+            max_json_depth=config.server.max_json_depth,
         ),
     )
 
@@ -178,6 +186,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     def on_health_change(endpoint: Endpoint, healthy: bool) -> None:
         if not healthy:
             forget(endpoint)
+            state.breakers.abort_waits(endpoint, "ejected")  # re-send what still waits on it
 
     health = HealthChecker(state.registry, session, state.config.health, state.metrics, on_health_change)
     app[_HEALTH] = health
@@ -196,6 +205,9 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         on_connect_failure=health.mark_failed,
         endpoint_headers=state.sessions.response_headers,
         pd=pd,
+        breakers=state.breakers,
+        retry_budget=state.retry_budget,
+        retry_backoff_s=state.config.resilience.retry_backoff_s,
     )
     yield
     await asyncio.gather(*forget_tasks, return_exceptions=True)
@@ -223,6 +235,7 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
     tasks = [
         asyncio.create_task(health.run(), name="health-checks"),
         asyncio.create_task(_admission_ticker(state), name="admission-ticker"),
+        asyncio.create_task(state.breakers.run(), name="circuit-breakers"),
     ]
     if state.config.scrape.enabled:
         tasks.append(asyncio.create_task(poller.run(), name="metrics-poller"))

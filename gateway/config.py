@@ -17,13 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "AdmissionConfig",
+    "AuthConfig",
     "AutoscaleConfig",
     "ConfigError",
+    "DiscoveryConfig",
+    "DnsDiscoveryConfig",
     "EndpointConfig",
     "GatewayConfig",
+    "KubernetesDiscoveryConfig",
     "PluginSpec",
     "PrefixConfig",
     "ProfileSpec",
+    "ResilienceConfig",
     "SessionConfig",
     "load_config",
 ]
@@ -46,6 +51,10 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     access_log: Literal["off", "json"] = Field("off", description="json: one JSON line per request")
+    max_header_bytes: int = Field(8190, ge=256, description="longest request line or header field")
+    max_headers: int = Field(64, ge=8, description="most request header fields")
+    max_json_depth: int = Field(32, ge=2, description="deepest nesting accepted in a request body")
+    drain_s: float = Field(5.0, ge=0, description="on SIGTERM: report not-ready this long before closing")
 
 
 class EndpointConfig(_Strict):
@@ -55,6 +64,8 @@ class EndpointConfig(_Strict):
     engine: Literal["vllm", "sglang"] = "vllm"
     labels: dict[str, str] = Field(default_factory=dict)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    api_key: str | None = Field(None, description="sent upstream as a bearer token; never logged")
+    api_key_file: str | None = Field(None, description="file holding that token (a mounted Secret)")
 
     @field_validator("url")
     @classmethod
@@ -167,6 +178,94 @@ class AutoscaleConfig(_Strict):
     headroom: float = Field(0.1, ge=0, lt=1, description="spare capacity kept warm")
 
 
+class KubernetesDiscoveryConfig(_Strict):
+    """Endpoints from the pods matching a label selector (list + watch on the API server)."""
+
+    namespace: str = "default"
+    label_selector: str = Field("", description="e.g. app=vllm,llm-d.ai/inference-serving=true")
+    port: int | None = Field(None, ge=1, le=65535, description="fallback when the pod has no port annotation")
+    port_annotation: str = "llm-gateway.io/port"
+    scheme: Literal["http", "https"] = "http"
+    role_labels: list[str] = Field(
+        default_factory=lambda: ["llm-gateway.io/role", "llm-d.ai/role"],
+        description="first label present wins; values both|prefill|decode (llm-d: prefill|decode|both)",
+    )
+    engine_label: str = "llm-gateway.io/engine"
+    model_label: str = "llm-gateway.io/model"
+    api_server: str | None = Field(None, description="default: in-cluster (KUBERNETES_SERVICE_HOST)")
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    resync_s: float = Field(300.0, gt=0, description="re-list this often even if the watch is quiet")
+
+
+class DnsDiscoveryConfig(_Strict):
+    """Endpoints from a DNS name, re-resolved every ``interval_s`` (A/AAAA with a port, or SRV)."""
+
+    name: str
+    record: Literal["A", "AAAA", "A+AAAA", "SRV"] = "A+AAAA"
+    port: int | None = Field(None, ge=1, le=65535, description="required for A/AAAA")
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(10.0, gt=0)
+    nameserver: str | None = Field(None, description="host:port; default: the system resolver")
+    role: Literal["both", "prefill", "decode"] = "both"
+    engine: Literal["vllm", "sglang"] = "vllm"
+    models: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _port_for_address_records(self) -> DnsDiscoveryConfig:
+        if self.record != "SRV" and self.port is None:
+            raise ValueError(f"port: required for {self.record} records (SRV records carry their own)")
+        return self
+
+
+class DiscoveryConfig(_Strict):
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    dns: list[DnsDiscoveryConfig] = Field(default_factory=list)
+
+
+class ResilienceConfig(_Strict):
+    """Circuit breaker / outlier ejection per endpoint, and the fleet-wide retry budget."""
+
+    consecutive_failures: int = Field(3, ge=1, description="eject after this many failures in a row")
+    error_rate: float = Field(0.5, gt=0, le=1, description="… or this failure ratio in the window")
+    window_s: float = Field(10.0, gt=0)
+    min_requests: int = Field(10, ge=1, description="requests in the window before the rate counts")
+    ejection_s: float = Field(1.0, gt=0, description="first ejection; doubles per repeat")
+    max_ejection_s: float = Field(30.0, gt=0)
+    max_ejected_fraction: float = Field(
+        0.5, gt=0, le=1, description="never eject more than this share of a model's endpoints"
+    )
+    retry_budget_ratio: float = Field(0.2, ge=0, le=1, description="retries ≤ this share of requests")
+    retry_budget_min_per_s: float = Field(5.0, ge=0, description="retries always allowed at this rate")
+    retry_backoff_s: float = Field(0.01, ge=0, description="base back-off before a retry (full jitter)")
+    stall_s: float = Field(
+        1.5, gt=0, description="requests waiting this long for a first byte while the engine does not"
+        " count them (or its metrics went stale and nothing progressed) mark the endpoint stalled",
+    )
+    check_interval_s: float = Field(0.25, gt=0, description="how often ejections and stalls are reviewed")
+
+
+class AuthConfig(_Strict):
+    """API keys → tenants. Off by default (the demo); the Helm chart turns it on."""
+
+    enabled: bool = False
+    backend: Literal["file", "redis"] = "file"
+    keys_file: str | None = Field(None, description="YAML: tenants and sha256 key hashes")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "llmgw"
+    limits_backend: Literal["memory", "redis"] = Field(
+        "memory", description="redis: token buckets shared by every gateway instance"
+    )
+    redis_budget_s: float = Field(0.02, gt=0, description="longest a limit check may wait for Redis")
+    admin_key_sha256: str | None = Field(None, description="enables /admin/*; hex sha256 of the admin key")
+
+    @model_validator(mode="after")
+    def _source(self) -> AuthConfig:
+        if self.enabled and self.backend == "file" and not self.keys_file:
+            raise ValueError("keys_file: required when auth is enabled with the file backend")
+        return self
+
+
 class PluginSpec(_Strict):
     type: str
     name: str | None = None
@@ -199,6 +298,9 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     pd: PDConfig = Field(default_factory=PDConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)

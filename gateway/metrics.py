@@ -51,6 +51,16 @@ class _EndpointStateCollector:
             "Estimated uncached prompt tokens sent to each endpoint and not yet answered",
             labels=["endpoint"],
         )
+        ejected = GaugeMetricFamily(
+            "llm_gateway_endpoint_ejected",
+            "1 while the circuit breaker keeps the endpoint out of rotation (open or probing)",
+            labels=["endpoint"],
+        )
+        draining = GaugeMetricFamily(
+            "llm_gateway_endpoint_draining",
+            "1 while the endpoint is drained (admin API): no new requests, in-flight ones finish",
+            labels=["endpoint"],
+        )
         index = GaugeMetricFamily(
             "llm_gateway_prefix_index_blocks",
             "Blocks the local prefix index holds per endpoint",
@@ -60,8 +70,10 @@ class _EndpointStateCollector:
             in_flight.add_metric([endpoint.name], endpoint.in_flight)
             tokens.add_metric([endpoint.name], endpoint.in_flight_tokens)
             pending.add_metric([endpoint.name], endpoint.pending_prefill_tokens)
+            ejected.add_metric([endpoint.name], 1 if endpoint.ejected else 0)
+            draining.add_metric([endpoint.name], 1 if endpoint.draining else 0)
             index.add_metric([endpoint.name], self._index_size(endpoint))
-        yield from (in_flight, tokens, pending, index)
+        yield from (in_flight, tokens, pending, ejected, draining, index)
 
 
 class GatewayMetrics:
@@ -253,6 +265,53 @@ class GatewayMetrics:
             "llm_gateway_pd_kv_transfer_seconds",
             "From the prefill leg's end to the decode leg's first byte (KV transfer as seen by the gateway)",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ejections = Counter(
+            "llm_gateway_endpoint_ejections",
+            "Times the circuit breaker took an endpoint out of rotation, by reason",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.ejections_skipped = Counter(
+            "llm_gateway_endpoint_ejections_skipped",
+            "Ejections not made because too many of the model's endpoints were already out",
+            ["endpoint"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "llm_gateway_retry_budget_exhausted",
+            "Failures not retried because the retry budget was spent",
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "llm_gateway_auth_failures",
+            "Requests refused by authentication or authorisation, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "llm_gateway_rate_limited",
+            "Requests refused with 429 by a tenant's rate limit",
+            ["tenant"],
+            registry=r,
+        )
+        self.rate_limit_fallbacks = Counter(
+            "llm_gateway_rate_limit_fallbacks",
+            "Rate-limit checks answered by local buckets because Redis was slow or down",
+            ["reason"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "llm_gateway_config_reloads",
+            "Configuration reloads by result (applied, rejected, unchanged)",
+            ["result"],
+            registry=r,
+        )
+        self.discovery_updates = Counter(
+            "llm_gateway_discovery_updates",
+            "Endpoint sets applied from discovery sources, by source",
+            ["source"],
             registry=r,
         )
         self.client_disconnects = Counter(

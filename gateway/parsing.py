@@ -105,6 +105,7 @@ class ParseOptions:
     session_body_fields: tuple[str, ...] = ("user",)
     priority_header: str = "x-priority"
     tenant_header: str = "x-tenant-id"
+    max_json_depth: int = 32
 
 
 DEFAULT_OPTIONS = ParseOptions()

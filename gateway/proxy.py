@@ -27,6 +27,7 @@ from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PD_DECISION, PD_STATE, PDCoordinator, PDLeg
+from gateway.resilience import CircuitBreakers, RetryBudget, backoff_s
 from gateway.types import Endpoint, InferenceRequest, SchedulingResult
 from gateway.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 
@@ -87,6 +88,11 @@ class _Attempt:
 STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
 
 
+# Retry reasons that say nothing against the endpoint tried: its prefill partner failed,
+# or it was already ejected while the request waited.
+_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected"})
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, response: web.Response | None = None) -> None:
         super().__init__(reason)
@@ -105,6 +111,9 @@ class Proxy:
         on_connect_failure: Callable[[Endpoint], None] | None = None,
         endpoint_headers: Callable[[InferenceRequest, Endpoint], dict[str, str]] | None = None,
         pd: PDCoordinator | None = None,
+        breakers: CircuitBreakers | None = None,
+        retry_budget: RetryBudget | None = None,
+        retry_backoff_s: float = 0.0,
     ) -> None:
         self._client = client
         self._timeouts = timeouts
@@ -114,6 +123,9 @@ class Proxy:
         self._on_connect_failure = on_connect_failure
         self._endpoint_headers = endpoint_headers
         self._pd = pd
+        self._breakers = breakers
+        self._retry_budget = retry_budget
+        self._retry_backoff_s = retry_backoff_s
 
     async def forward(
         self,
@@ -134,11 +146,16 @@ class Proxy:
         # A failed prefill leg is not the decode replica's fault: the pair is re-sent with
         # the same decode replica and the next prefill replica (or decode-only at the end).
         budget = len(attempts) + (len(prefill) if prefill else 0)
+        if self._retry_budget is not None:
+            self._retry_budget.record_request()
         index = 0
+        retry_number = 0
         while index < len(attempts) and budget > 0:
             endpoint = attempts[index]
             budget -= 1
             if last_failure is not None:
+                if not await self._may_retry(attempt, retry_number := retry_number + 1):
+                    break
                 self._metrics.retries.labels(last_failure.reason).inc()
                 log.info(
                     "request %s: retrying on %s (%s)", request.request_id, endpoint.name, last_failure.reason
@@ -165,6 +182,18 @@ class Proxy:
             code="upstream_unavailable",
         )
 
+    async def _may_retry(self, attempt: _Attempt, retry_number: int) -> bool:
+        """Spend from the retry budget, then back off (full jitter) within the deadline."""
+        if self._retry_budget is not None and not self._retry_budget.try_spend():
+            self._metrics.retry_budget_exhausted.inc()
+            return False
+        if self._retry_backoff_s > 0:
+            loop = asyncio.get_running_loop()
+            delay = min(backoff_s(self._retry_backoff_s, retry_number), attempt.deadline - loop.time())
+            if delay > 0:
+                await asyncio.sleep(delay)
+        return True
+
     def _count_pd_decision(self, request: InferenceRequest, disaggregated: bool) -> None:
         decision = request.attributes.get(PD_DECISION)
         if decision is not None:
@@ -181,8 +210,11 @@ class Proxy:
         body: bytes,
     ) -> web.StreamResponse:
         self._hooks.on_send(request, endpoint)
+        if self._breakers is not None:
+            self._breakers.on_send(endpoint)
         request.attributes["endpoint"] = endpoint.name
         ok = False
+        verdict: str | None = None  # "ok", or the endpoint's failure; None: not its fault
         upstream: UpstreamResponse | None = None
         try:
             upstream = await self._unless_prefill_fails(request, self._open(request, endpoint, attempt, body))
@@ -199,14 +231,30 @@ class Proxy:
                 response = await self._buffered(request, endpoint, upstream, headers, attempt)
                 complete = True
             ok = complete and upstream.status < 400
+            verdict = "ok" if complete else "mid_stream"
             self._metrics.child(
                 self._metrics.requests, request.model, endpoint.name, str(response.status)
             ).inc()
             return response
+        except _Retryable as failure:
+            if failure.reason not in _NOT_THE_ENDPOINTS_FAULT:
+                verdict = failure.reason
+            raise
+        except UpstreamTimeout:
+            verdict = "timeout"
+            raise
+        except UpstreamError:
+            verdict = "upstream_error"
+            raise
         except (asyncio.CancelledError, ConnectionResetError):
             self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
             raise
         finally:
+            if self._breakers is not None and verdict is not None:
+                if verdict == "ok":
+                    self._breakers.on_success(endpoint)
+                else:
+                    self._breakers.on_failure(endpoint, verdict)
             if upstream is not None:
                 # Not a clean end (error, timeout, client gone): close the socket so the
                 # engine sees the disconnect and frees the request's KV cache.
@@ -224,10 +272,18 @@ class Proxy:
         self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
     ) -> UpstreamResponse:
         headers = {"content-type": "application/json", "x-request-id": request.request_id}
+        if endpoint.auth_header is not None:
+            headers["authorization"] = endpoint.auth_header
+        wait = None
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
-                return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
+                if self._breakers is None:
+                    return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
+                with self._breakers.first_byte_wait(endpoint, limit) as wait:
+                    return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
         except TimeoutError:
+            if wait is not None and wait.aborted is not None:
+                raise _Retryable(wait.aborted) from None  # ejected while we waited: re-send elsewhere
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
             raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
         except ConnectFailed as exc:
@@ -273,6 +329,8 @@ class Proxy:
         except ConnectionLost as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
         self._hooks.on_first_byte(request, endpoint)
+        if self._breakers is not None:
+            self._breakers.on_first_byte(endpoint)
         request.attributes["ttft_ms"] = round((time.monotonic() - attempt.started) * 1000, 2)
         if upstream.status == 200:
             self._report_usage(request, endpoint, body[-2048:])
@@ -297,7 +355,7 @@ class Proxy:
         The client's response is committed only when the first chunk is in hand: until
         then a broken upstream (or, for SGLang P/D, a failed prefill leg) is retryable.
         """
-        first_chunk = await self._first_chunk(request, upstream, attempt)
+        first_chunk = await self._first_chunk(request, endpoint, upstream, attempt)
         headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
@@ -345,12 +403,20 @@ class Proxy:
         return response, failure is None
 
     async def _first_chunk(
-        self, request: InferenceRequest, upstream: UpstreamResponse, attempt: _Attempt
+        self, request: InferenceRequest, endpoint: Endpoint, upstream: UpstreamResponse, attempt: _Attempt
     ) -> bytes:
+        wait = None
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)):
-                return await self._unless_prefill_fails(request, upstream.readany())
+            async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
+                if self._breakers is None:
+                    return await self._unless_prefill_fails(request, upstream.readany())
+                with self._breakers.first_byte_wait(endpoint, limit) as wait:
+                    chunk = await self._unless_prefill_fails(request, upstream.readany())
+                self._breakers.on_first_byte(endpoint)
+                return chunk
         except TimeoutError:
+            if wait is not None and wait.aborted is not None:
+                raise _Retryable(wait.aborted) from None
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
             raise _Retryable("disconnected") from exc

@@ -14,6 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.parsing import ParseOptions
 from gateway.prefix.cache import PrefixCache
 from gateway.proxy import Proxy
+from gateway.resilience import CircuitBreakers, RetryBudget
 from gateway.scheduling.scheduler import Scheduler
 from gateway.sessions_affinity import SessionAffinity
 
@@ -31,7 +32,10 @@ class GatewayState:
     admission: AdmissionController
     parse_options: ParseOptions
     access_log: AccessLog
+    breakers: CircuitBreakers
+    retry_budget: RetryBudget
     proxy: Proxy | None = None  # set once the client session exists (app startup)
+    shutting_down: bool = False  # SIGTERM received: /ready says 503 while in-flight work drains
 
 
 STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

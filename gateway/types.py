@@ -80,9 +80,12 @@ class Endpoint:
     configured_models: frozenset[str] = frozenset()
     labels: dict[str, str] = field(default_factory=dict)
     bootstrap_port: int | None = None
+    auth_header: str | None = None  # "Bearer <token>" sent upstream (configured per endpoint)
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
     healthy: bool = False
+    ejected: bool = False  # circuit breaker open (or its half-open probe in flight)
+    draining: bool = False  # admin drain: no new requests; in-flight ones finish
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)

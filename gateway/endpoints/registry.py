@@ -7,11 +7,23 @@ cost does not grow with the number of models or with health-check churn.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
-from gateway.config import EndpointConfig
+from gateway.config import ConfigError, EndpointConfig
 from gateway.types import Endpoint, EngineKind, Role
 
-__all__ = ["EndpointRegistry", "endpoint_from_config"]
+__all__ = ["EndpointRegistry", "endpoint_from_config", "upstream_auth_header"]
+
+
+def upstream_auth_header(cfg: EndpointConfig) -> str | None:
+    """The bearer header for this endpoint's own API key, if it has one (file wins: a mounted Secret)."""
+    token = cfg.api_key
+    if cfg.api_key_file:
+        try:
+            token = Path(cfg.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"endpoints: cannot read api_key_file for {cfg.url}: {exc.strerror}") from None
+    return f"Bearer {token}" if token else None
 
 
 def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
@@ -22,6 +34,7 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
         configured_models=frozenset(cfg.models),
         labels=dict(cfg.labels),
         bootstrap_port=cfg.bootstrap_port,
+        auth_header=upstream_auth_header(cfg),
     )
 
 
@@ -58,14 +71,14 @@ class EndpointRegistry:
         known: set[str] = set()
         for endpoint in self._endpoints.values():
             known.update(endpoint.models)
-            if endpoint.healthy:
+            if endpoint.healthy and not endpoint.ejected and not endpoint.draining:
                 for model in endpoint.models:
                     by_model.setdefault(model, []).append(endpoint)
         self._by_model = by_model
         self._known_models = frozenset(known)
 
     def candidates(self, model: str) -> list[Endpoint]:
-        """Healthy endpoints serving ``model`` (the list is shared: do not mutate)."""
+        """Routable endpoints serving ``model``: healthy, not ejected, not draining (shared list)."""
         return self._by_model.get(model, [])
 
     def is_known_model(self, model: str) -> bool:
