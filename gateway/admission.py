@@ -73,6 +73,12 @@ class AdmissionController:
         self._queued_standard = 0
         self._drain_scheduled = False
 
+    def reconfigure(self, config: AdmissionConfig) -> None:
+        """Hot reload: new thresholds and limits apply to the next decision; queued requests stay."""
+        self._config = config
+        self._detector.reconfigure(config)
+        self.wake()
+
     # -- decisions ------------------------------------------------------------------
     def _saturated(self, model: str) -> bool:
         if self._config.max_concurrency and self.in_flight >= self._config.max_concurrency:

@@ -16,10 +16,12 @@ import aiohttp
 from aiohttp import web
 
 from gateway.access_log import AccessLog
+from gateway.admin import add_admin_routes
 from gateway.admission import AdmissionController
 from gateway.autoscale import AutoscaleCollector
 from gateway.config import GatewayConfig, PrefixConfig, SessionConfig
 from gateway.endpoints.health import HealthChecker
+from gateway.endpoints.membership import CONFIG_SOURCE, FleetMembership
 from gateway.endpoints.poller import MetricsPoller
 from gateway.endpoints.registry import EndpointRegistry, endpoint_from_config
 from gateway.handlers import add_routes
@@ -43,7 +45,7 @@ from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
 from gateway.upstream import UpstreamClient
 
-__all__ = ["build_app", "build_plugin_context", "build_prefix_index", "build_session_store"]
+__all__ = ["build_app", "build_plugin_context", "build_prefix_index", "build_session_store", "parse_options"]
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +109,26 @@ def build_plugin_context(
     return PluginContext(metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector)
 
 
+def parse_options(config: GatewayConfig) -> ParseOptions:
+    return ParseOptions(
+        session_header=config.sessions.header,
+        session_body_fields=tuple(config.sessions.body_fields),
+        priority_header=config.admission.priority_header,
+        tenant_header=config.admission.tenant_header,
+        max_json_depth=config.server.max_json_depth,
+    )
+
+
 def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
     """Validate and wire everything; raises ConfigError before any socket is opened."""
     metrics = GatewayMetrics()
     registry = EndpointRegistry(endpoint_from_config(e) for e in config.endpoints)
+    membership = FleetMembership(registry)
+    membership.seed(CONFIG_SOURCE, config.endpoints)
     context = build_plugin_context(config, metrics)
     prefix, sessions, detector = context.prefix, context.sessions, context.saturation
-    scheduler = build_scheduler(config, plugin_registry or default_registry(), context)
+    plugin_registry = plugin_registry or default_registry()
+    scheduler = build_scheduler(config, plugin_registry, context)
     state = GatewayState(
         config=config,
         registry=registry,
@@ -126,18 +141,19 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         breakers=CircuitBreakers(
             config.resilience, registry, metrics, scrape_timeout_s=config.scrape.timeout_s
         ),
+        membership=membership,
+        plugin_registry=plugin_registry,
+        plugin_context=context,
         retry_budget=RetryBudget(
             config.resilience.retry_budget_ratio, config.resilience.retry_budget_min_per_s
         ),
-        parse_options=ParseOptions(
-            session_header=config.sessions.header,
-            session_body_fields=tuple(config.sessions.body_fields),
-            priority_header=config.admission.priority_header,
-            tenant_header=config.admission.tenant_header,
-            max_json_depth=config.server.max_json_depth,
-        ),
+        parse_options=parse_options(config),
     )
 
+    if config.auth.enabled:
+        from gateway.tenancy import TenantAuth
+
+        state.auth = TenantAuth(config.auth, metrics)
     metrics.watch_endpoints(lambda: registry, prefix.size)
     metrics.sessions_active.set_function(sessions.store.active)
     metrics.registry.register(AutoscaleCollector(lambda: registry, config.autoscale))
@@ -145,6 +161,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
     add_routes(app)
+    add_admin_routes(app)
     app.cleanup_ctx.append(_prefix_index)
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_endpoint_monitors)
@@ -155,6 +172,8 @@ async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[STATE].prefix.index.close()
     await app[STATE].sessions.store.close()
+    if app[STATE].auth is not None:
+        await app[STATE].auth.close()
 
 
 def _request_hooks(state: GatewayState, pd: PDCoordinator) -> RequestHooks:
@@ -183,6 +202,16 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         forget_tasks.add(task)
         task.add_done_callback(forget_tasks.discard)
 
+    def on_removed(endpoints: list[Endpoint]) -> None:
+        for endpoint in endpoints:
+            forget(endpoint)
+            state.breakers.forget(endpoint.url)
+
+    def on_added(endpoints: list[Endpoint]) -> None:
+        task = asyncio.get_running_loop().create_task(health.check(endpoints))
+        forget_tasks.add(task)
+        task.add_done_callback(forget_tasks.discard)
+
     def on_health_change(endpoint: Endpoint, healthy: bool) -> None:
         if not healthy:
             forget(endpoint)
@@ -191,6 +220,9 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     health = HealthChecker(state.registry, session, state.config.health, state.metrics, on_health_change)
     app[_HEALTH] = health
     app[_FORGET] = forget
+    state.probe = health.check
+    state.membership.on_removed = on_removed
+    state.membership.on_added = on_added
     client = UpstreamClient(
         connect_timeout_s=state.config.timeouts.connect_s,
         limit_per_endpoint=limits.upstream_connections_per_endpoint,

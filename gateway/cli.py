@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, load_config
@@ -58,10 +59,11 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from gateway.app import build_app
-    from gateway.server import serve
+    from gateway.server import ReloadSource, serve
 
+    overrides = _serve_overrides(args)
     try:
-        config = load_config(args.config, overrides=_serve_overrides(args))
+        config = load_config(args.config, overrides=overrides)
         if not config.endpoints:
             raise ConfigError("endpoints: at least one endpoint is required (--endpoint URL or config file)")
         build_app(config)  # validate plugins and profiles before forking workers
@@ -71,7 +73,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    serve(config)
+    serve(config, ReloadSource(Path(args.config), overrides) if args.config else None)
     return 0
 
 

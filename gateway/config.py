@@ -239,7 +239,9 @@ class ResilienceConfig(_Strict):
     retry_budget_min_per_s: float = Field(5.0, ge=0, description="retries always allowed at this rate")
     retry_backoff_s: float = Field(0.01, ge=0, description="base back-off before a retry (full jitter)")
     stall_s: float = Field(
-        1.5, gt=0, description="requests waiting this long for a first byte while the engine does not"
+        1.5,
+        gt=0,
+        description="requests waiting this long for a first byte while the engine does not"
         " count them (or its metrics went stale and nothing progressed) mark the endpoint stalled",
     )
     check_interval_s: float = Field(0.25, gt=0, description="how often ejections and stalls are reviewed")

@@ -9,11 +9,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.access_log import INFERENCE_REQUEST
+from gateway.admin import endpoint_row
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
 from gateway.parsing import parse_request
 from gateway.state import STATE, GatewayState
-from gateway.types import ApiKind, Endpoint
+from gateway.types import ApiKind, Endpoint, InferenceRequest
 
 __all__ = ["add_routes"]
 
@@ -23,6 +24,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _inference_handler(api: ApiKind) -> Handler:
     async def handle(http_request: web.Request) -> web.StreamResponse:
         state = http_request.app[STATE]
+        auth = state.auth
+        tenant = await auth.authenticate(http_request.headers) if auth is not None else None
         request = parse_request(
             api,
             await http_request.read(),
@@ -31,28 +34,45 @@ def _inference_handler(api: ApiKind) -> Handler:
             options=state.parse_options,
         )
         http_request[INFERENCE_REQUEST] = request
-        _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
-        ticket = await state.admission.admit(request)
+        limit_headers: dict[str, str] = {}
+        charged = 0
+        if tenant is not None:
+            auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
+            decision, charged = await auth.limit(tenant, request)
+            limit_headers = decision.headers()
         try:
-            candidates = _candidates(state, request.model)  # the model may have been degraded
-            result = await state.scheduler.schedule(request, candidates)
-            if state.access_log.enabled:
-                best = result.ranked[0]
-                request.attributes["route"] = {
-                    "profile": result.primary_profile,
-                    "score": round(best.score, 4),
-                }
-            extra = {"x-request-id": request.request_id}
-            if ticket.degraded:
-                extra["x-gateway-degraded"] = ticket.degraded
-            if request.debug:
-                extra["x-gateway-scores"] = result.explain()
-            assert state.proxy is not None
-            return await state.proxy.forward(http_request, request, result, extra)
+            return await _route(state, http_request, request, limit_headers)
         finally:
-            state.admission.release(ticket)
+            if tenant is not None:
+                auth.settle_later(tenant, charged, request)
 
     return handle
+
+
+async def _route(
+    state: GatewayState, http_request: web.Request, request: InferenceRequest, extra: dict[str, str]
+) -> web.StreamResponse:
+    """Admission, scheduling and the proxy, for a request that passed authentication and limits."""
+    _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
+    ticket = await state.admission.admit(request)
+    try:
+        candidates = _candidates(state, request.model)  # the model may have been degraded
+        result = await state.scheduler.schedule(request, candidates)
+        if state.access_log.enabled:
+            best = result.ranked[0]
+            request.attributes["route"] = {
+                "profile": result.primary_profile,
+                "score": round(best.score, 4),
+            }
+        extra = {"x-request-id": request.request_id, **extra}
+        if ticket.degraded:
+            extra["x-gateway-degraded"] = ticket.degraded
+        if request.debug:
+            extra["x-gateway-scores"] = result.explain()
+        assert state.proxy is not None
+        return await state.proxy.forward(http_request, request, result, extra)
+    finally:
+        state.admission.release(ticket)
 
 
 def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
@@ -78,10 +98,12 @@ async def health(http_request: web.Request) -> web.Response:
 
 
 async def ready(http_request: web.Request) -> web.Response:
-    registry = http_request.app[STATE].registry
-    healthy = sum(1 for e in registry if e.healthy)
-    status = 200 if healthy else 503
-    return web.json_response({"ready": healthy > 0, "healthy_endpoints": healthy}, status=status)
+    """503 with no healthy endpoint, and while shutting down (so load balancers stop sending)."""
+    state = http_request.app[STATE]
+    healthy = sum(1 for e in state.registry if e.healthy)
+    is_ready = healthy > 0 and not state.shutting_down
+    body = {"ready": is_ready, "healthy_endpoints": healthy, "shutting_down": state.shutting_down}
+    return web.json_response(body, status=200 if is_ready else 503)
 
 
 async def metrics(http_request: web.Request) -> web.Response:
@@ -92,25 +114,9 @@ async def metrics(http_request: web.Request) -> web.Response:
 
 async def endpoints_status(http_request: web.Request) -> web.Response:
     """Read-only view of what the gateway believes about each endpoint (debugging aid)."""
+    state = http_request.app[STATE]
     now = time.monotonic()
-    rows = [
-        {
-            "url": e.url,
-            "role": e.role.value,
-            "engine": e.engine.value,
-            "models": sorted(e.models),
-            "healthy": e.healthy,
-            "in_flight": e.in_flight,
-            "in_flight_tokens": e.in_flight_tokens,
-            "waiting": e.metrics.waiting,
-            "running": e.metrics.running,
-            "kv_usage": e.metrics.kv_usage,
-            "metrics_stale": e.metrics.stale,
-            "metrics_age_s": round(now - e.metrics.scraped_at, 3) if e.metrics.scraped_at else None,
-        }
-        for e in http_request.app[STATE].registry
-    ]
-    return web.json_response({"endpoints": rows})
+    return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 
 
 def add_routes(app: web.Application) -> None:

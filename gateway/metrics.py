@@ -302,6 +302,12 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.auth_store_fallbacks = Counter(
+            "llm_gateway_auth_key_store_fallbacks",
+            "API key lookups answered from the local cache because Redis was slow or down",
+            ["reason"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "llm_gateway_config_reloads",
             "Configuration reloads by result (applied, rejected, unchanged)",

@@ -66,6 +66,7 @@ class RequestHooks:
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 def extract_usage(payload: bytes) -> tuple[int, int] | None:
@@ -124,6 +125,15 @@ class Proxy:
         self._endpoint_headers = endpoint_headers
         self._pd = pd
         self._breakers = breakers
+        self._retry_budget = retry_budget
+        self._retry_backoff_s = retry_backoff_s
+
+    def reconfigure(
+        self, timeouts: TimeoutConfig, limits: LimitConfig, retry_budget: RetryBudget, retry_backoff_s: float
+    ) -> None:
+        """Hot reload: requests already running keep the deadline they started with."""
+        self._timeouts = timeouts
+        self._limits = limits
         self._retry_budget = retry_budget
         self._retry_backoff_s = retry_backoff_s
 
@@ -442,3 +452,5 @@ class Proxy:
         usage = extract_usage(tail)
         if usage is not None:
             self._hooks.on_usage(request, endpoint, *usage)
+            completion = _COMPLETION_TOKENS.findall(tail)
+            request.attributes["usage"] = (usage[0], int(completion[-1]) if completion else 0)

@@ -24,6 +24,9 @@ __all__ = ["SaturationDetector"]
 
 class SaturationDetector:
     def __init__(self, config: AdmissionConfig) -> None:
+        self.reconfigure(config)
+
+    def reconfigure(self, config: AdmissionConfig) -> None:
         self._queue_threshold = config.queue_depth_threshold
         self._kv_threshold = config.kv_utilization_threshold
         self._endpoint_cap = config.endpoint_max_concurrency

@@ -40,7 +40,10 @@ class HealthChecker:
             await asyncio.sleep(self._config.interval_s)
 
     async def check_all(self) -> None:
-        endpoints = list(self._registry)
+        await self.check(list(self._registry))
+
+    async def check(self, endpoints: list[Endpoint]) -> None:
+        """Probe these endpoints now (new ones join without waiting for the next round)."""
         results = await asyncio.gather(*(self._probe(e) for e in endpoints))
         changed = False
         for endpoint, ok in zip(endpoints, results, strict=True):

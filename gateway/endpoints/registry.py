@@ -6,6 +6,7 @@ cost does not grow with the number of models or with health-check churn.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
     )
 
 
+_DISCOVERY_GRACE_S = 10.0  # a new endpoint's models are unknown until its first probe answers
+
+
 class EndpointRegistry:
     def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
         self._endpoints: dict[str, Endpoint] = {}
@@ -56,13 +60,15 @@ class EndpointRegistry:
     def get(self, url: str) -> Endpoint | None:
         return self._endpoints.get(url)
 
-    def add(self, endpoint: Endpoint) -> None:
+    def add(self, endpoint: Endpoint, *, rebuild: bool = True) -> None:
         self._endpoints[endpoint.url] = endpoint
-        self.rebuild()
+        if rebuild:
+            self.rebuild()
 
-    def remove(self, url: str) -> Endpoint | None:
+    def remove(self, url: str, *, rebuild: bool = True) -> Endpoint | None:
         endpoint = self._endpoints.pop(url, None)
-        self.rebuild()
+        if rebuild:
+            self.rebuild()
         return endpoint
 
     def rebuild(self) -> None:
@@ -82,7 +88,16 @@ class EndpointRegistry:
         return self._by_model.get(model, [])
 
     def is_known_model(self, model: str) -> bool:
-        return model in self._known_models
+        """Served by some endpoint — or maybe by one that joined moments ago and is still being probed.
+
+        Only called on the error path, so the scan costs nothing in the common case. It
+        turns the first moments after a reload or a discovery change into a retryable
+        503 instead of a misleading 404.
+        """
+        if model in self._known_models:
+            return True
+        now = time.monotonic()
+        return any(not e.models and now - e.created_at < _DISCOVERY_GRACE_S for e in self._endpoints.values())
 
     def healthy_models(self) -> list[str]:
         return sorted(self._by_model)

@@ -77,7 +77,14 @@ async def running_gateway(
     config = load_config(overrides=raw, environ={})
     app = build_app(config, plugin_registry)
     port = free_port()
-    runner = await start_site(app, "127.0.0.1", port)
+    runner = await start_site(
+        app,
+        "127.0.0.1",
+        port,
+        shutdown_timeout_s=config.server.shutdown_timeout_s,
+        max_header_bytes=config.server.max_header_bytes,
+        max_headers=config.server.max_headers,
+    )
     try:
         yield Gateway(f"http://127.0.0.1:{port}", app)
     finally:

@@ -1,0 +1,89 @@
+"""Which endpoints are in the fleet, merged from every source: config file, admin API, discovery.
+
+Each source owns a full list (``apply(source, endpoints)`` replaces that source's
+list); the fleet is their union, with the first source to name a URL winning
+(``config`` before ``admin`` before discovery). Changes reach the registry as
+adds and removes of ``Endpoint`` objects. Removal only takes the endpoint out of
+scheduling: requests already sent hold their own reference to it and finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from gateway.config import EndpointConfig
+from gateway.endpoints.registry import EndpointRegistry, endpoint_from_config
+from gateway.types import Endpoint
+
+__all__ = ["ADMIN_SOURCE", "CONFIG_SOURCE", "FleetMembership"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_SOURCE = "config"
+ADMIN_SOURCE = "admin"
+_PRECEDENCE = {CONFIG_SOURCE: 0, ADMIN_SOURCE: 1}
+
+
+class FleetMembership:
+    def __init__(
+        self,
+        registry: EndpointRegistry,
+        on_added: Callable[[list[Endpoint]], None] | None = None,
+        on_removed: Callable[[list[Endpoint]], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._sources: dict[str, dict[str, EndpointConfig]] = {}
+        self._owner: dict[str, tuple[str, EndpointConfig]] = {}  # url → (source, config in force)
+        self.on_added = on_added
+        self.on_removed = on_removed
+
+    def seed(self, source: str, endpoints: Iterable[EndpointConfig]) -> None:
+        """Record what the registry was built with, without touching it."""
+        configs = {e.url: e for e in endpoints}
+        self._sources[source] = configs
+        for url, cfg in configs.items():
+            self._owner.setdefault(url, (source, cfg))
+
+    def source_of(self, url: str) -> str | None:
+        owner = self._owner.get(url)
+        return owner[0] if owner else None
+
+    def endpoints_of(self, source: str) -> list[EndpointConfig]:
+        return list(self._sources.get(source, {}).values())
+
+    def apply(self, source: str, endpoints: Iterable[EndpointConfig]) -> tuple[list[str], list[str]]:
+        """Replace ``source``'s list; returns (added URLs, removed URLs)."""
+        self._sources[source] = {e.url: e for e in endpoints}
+        wanted: dict[str, tuple[str, EndpointConfig]] = {}
+        for name in sorted(self._sources, key=lambda s: (_PRECEDENCE.get(s, 2), s)):
+            for url, cfg in self._sources[name].items():
+                wanted.setdefault(url, (name, cfg))
+
+        removed: list[Endpoint] = []
+        added: list[Endpoint] = []
+        for url, (_, cfg) in list(self._owner.items()):
+            if url not in wanted or wanted[url][1] != cfg:
+                endpoint = self._registry.remove(url, rebuild=False)
+                if endpoint is not None:
+                    removed.append(endpoint)
+                del self._owner[url]
+        for url, (name, cfg) in wanted.items():
+            if url not in self._owner:
+                endpoint = endpoint_from_config(cfg)
+                self._registry.add(endpoint, rebuild=False)
+                added.append(endpoint)
+                self._owner[url] = (name, cfg)
+        if added or removed:
+            self._registry.rebuild()
+            log.info(
+                "fleet change from %s: +%s -%s",
+                source,
+                [e.name for e in added],
+                [e.name for e in removed],
+            )
+            if removed and self.on_removed is not None:
+                self.on_removed(removed)
+            if added and self.on_added is not None:
+                self.on_added(added)
+        return [e.url for e in added], [e.url for e in removed]

@@ -1,0 +1,164 @@
+"""The request path's use of ``gateway.auth``: who is calling, what may they do, how much is left.
+
+Order in the handler: authenticate (401, before the body is parsed) → authorise the
+model (403) → rate limit (429 with ``Retry-After`` and ``x-ratelimit-*``) → admission.
+The tenant then decides the request's tenant label (fair queueing), its default
+priority (a client header may lower it, never raise it), and whether the routing
+debug header is honoured. Tokens are charged up front (prompt estimate +
+``max_tokens``) and settled against the response's usage afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from gateway.admission import RateLimited
+from gateway.auth import (
+    KeyFileError,
+    KeyStore,
+    KeyStoreUnavailable,
+    LimitDecision,
+    RateLimiter,
+    Tenant,
+    build_key_store,
+    build_rate_limiter,
+    extract_key,
+)
+from gateway.auth.keyfile import FileKeyStore
+from gateway.config import AuthConfig, ConfigError
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.types import InferenceRequest
+
+__all__ = ["AuthUnavailable", "Forbidden", "TenantAuth", "TenantRateLimited", "Unauthorized"]
+
+log = logging.getLogger(__name__)
+
+_RANK = {"critical": 0, "standard": 1, "sheddable": 2}
+_DEFAULT_MAX_TOKENS = 256  # charged when the request names no max_tokens; settled afterwards
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
+    code = "model_not_allowed"
+
+
+class AuthUnavailable(GatewayError):
+    status = 503
+    error_type = "server_error"
+    code = "auth_unavailable"
+
+
+class TenantRateLimited(RateLimited):
+    """429 carrying the tenant's ``x-ratelimit-*`` headers."""
+
+    code = "tenant_rate_limit_exceeded"
+
+    def __init__(self, message: str, decision: LimitDecision) -> None:
+        super().__init__(message, retry_after=decision.retry_after_s)
+        self.decision = decision
+
+    def to_response(self, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+        return super().to_response({**self.decision.headers(), **(headers or {})})
+
+
+class TenantAuth:
+    def __init__(self, config: AuthConfig, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        try:
+            self.keys: KeyStore = build_key_store(
+                config, lambda reason: metrics.auth_store_fallbacks.labels(reason).inc()
+            )
+        except (KeyFileError, ValueError) as exc:
+            raise ConfigError(f"auth: {exc}") from None
+        self.limiter: RateLimiter = build_rate_limiter(
+            config, lambda reason: metrics.rate_limit_fallbacks.labels(reason).inc()
+        )
+        self._config = config
+        self._settling: set[asyncio.Task[None]] = set()
+
+    def reconfigure(self, config: AuthConfig) -> None:
+        """Hot reload: re-read the keys file; a bad file keeps the old keys (and is logged)."""
+        self._config = config
+        if isinstance(self.keys, FileKeyStore):
+            try:
+                self.keys.reload()
+            except KeyFileError as exc:
+                raise ConfigError(f"auth.keys_file: {exc}") from None
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Tenant:
+        raw = extract_key(headers)
+        if not raw:
+            self._metrics.auth_failures.labels("missing_key").inc()
+            raise Unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                code="missing_api_key",
+            )
+        try:
+            tenant = await self.keys.lookup(raw)
+        except KeyStoreUnavailable:
+            self._metrics.auth_failures.labels("store_unavailable").inc()
+            raise AuthUnavailable("the API key store is unreachable; retry shortly", retry_after=1) from None
+        if tenant is None:
+            self._metrics.auth_failures.labels("invalid_key").inc()
+            raise Unauthorized("Incorrect API key provided.")
+        return tenant
+
+    def authorize(self, tenant: Tenant, request: InferenceRequest, priority_given: bool) -> None:
+        if not tenant.allows_model(request.model):
+            self._metrics.auth_failures.labels("model_not_allowed").inc()
+            raise Forbidden(f"this key may not use model {request.model!r}", param="model")
+        request.tenant = tenant.name
+        if not priority_given or _RANK[request.priority] < _RANK[tenant.priority]:
+            request.priority = tenant.priority  # a header may lower the tenant's priority, never raise it
+        if not tenant.debug:
+            request.debug = False
+
+    async def limit(self, tenant: Tenant, request: InferenceRequest) -> tuple[LimitDecision, int]:
+        """Take from the tenant's buckets; raise 429 if empty. Returns the decision and tokens charged."""
+        if not tenant.limited:
+            return LimitDecision(allowed=True, source="unlimited"), 0
+        charged = request.est_prompt_tokens + _max_tokens(request)
+        decision = await self.limiter.acquire(tenant, charged)
+        if not decision.allowed:
+            self._metrics.rate_limited.labels(tenant.name).inc()
+            raise TenantRateLimited(
+                f"Rate limit reached for tenant {tenant.name!r} on {decision.limited_by}; "
+                f"retry in {decision.retry_after_s:.1f}s",
+                decision,
+            )
+        return decision, charged
+
+    def settle_later(self, tenant: Tenant, charged: int, request: InferenceRequest) -> None:
+        """Correct the token bucket with the real usage, off the response path."""
+        usage = request.attributes.get("usage")
+        if not charged or usage is None:
+            return
+        prompt, completion = usage
+        task = asyncio.get_running_loop().create_task(
+            self.limiter.settle(tenant, charged, prompt + completion)
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._settling, return_exceptions=True)
+        await self.limiter.close()
+        await self.keys.close()
+
+
+def _max_tokens(request: InferenceRequest) -> int:
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = request.body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return _DEFAULT_MAX_TOKENS
