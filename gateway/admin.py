@@ -99,6 +99,15 @@ def _admin(handler):
         refusal = _unauthorized(state, request)
         if refusal is not None:
             return refusal
+        if request.method != "GET" and state.config.server.workers > 1:
+            # Each worker process has its own fleet view; a change would reach one of them.
+            return error_response(
+                409,
+                "admin changes need server.workers: 1; with several workers edit the config file"
+                " (reloaded on SIGHUP in every worker) or use discovery",
+                "invalid_request_error",
+                "not_supported_with_workers",
+            )
         try:
             return await handler(state, request)
         except _BadRequest as exc:

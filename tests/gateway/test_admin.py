@@ -116,3 +116,18 @@ async def _healthy(http, gw, url: str) -> bool:
 async def _stream(http, gw) -> tuple[int, str]:
     async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
         return resp.status, (await resp.read()).decode()
+
+
+async def test_changes_are_refused_when_several_workers_each_hold_a_fleet_view(
+    start_upstream, start_gateway, http
+):
+    upstream = await start_upstream()
+    gw = await start_gateway([upstream.url], auth=AUTH, server={"workers": 2})
+    async with http.post(
+        gw.url + "/admin/endpoints/drain", json={"url": upstream.url}, headers=ADMIN
+    ) as resp:
+        assert resp.status == 409
+        assert (await resp.json())["error"]["code"] == "not_supported_with_workers"
+    async with http.get(gw.url + "/admin/endpoints", headers=ADMIN) as resp:
+        assert resp.status == 200  # reading is fine
+    assert not gw.state.registry.get(upstream.url).draining
