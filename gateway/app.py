@@ -19,7 +19,7 @@ from gateway.access_log import AccessLog
 from gateway.admin import add_admin_routes
 from gateway.admission import AdmissionController
 from gateway.autoscale import AutoscaleCollector
-from gateway.config import GatewayConfig, PrefixConfig, SessionConfig
+from gateway.config import EndpointConfig, GatewayConfig, PrefixConfig, SessionConfig
 from gateway.endpoints.health import HealthChecker
 from gateway.endpoints.membership import CONFIG_SOURCE, FleetMembership
 from gateway.endpoints.poller import MetricsPoller
@@ -150,6 +150,12 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         parse_options=parse_options(config),
     )
 
+    if config.discovery.kubernetes is not None or config.discovery.dns:
+        from gateway.discovery import build_sources
+
+        app_sources = build_sources(config.discovery)  # ConfigError now, not at the first watch
+    else:
+        app_sources = []
     if config.auth.enabled:
         from gateway.tenancy import TenantAuth
 
@@ -160,6 +166,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
+    app[_DISCOVERY] = app_sources
     add_routes(app)
     add_admin_routes(app)
     app.cleanup_ctx.append(_prefix_index)
@@ -271,10 +278,35 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
     ]
     if state.config.scrape.enabled:
         tasks.append(asyncio.create_task(poller.run(), name="metrics-poller"))
+    apply = _apply_discovered(state)
+    for source in app[_DISCOVERY]:
+        tasks.append(asyncio.create_task(source.run(apply), name=f"discovery-{source.name}"))
     yield
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _apply_discovered(state: GatewayState) -> Callable[[str, list[EndpointConfig]], None]:
+    """A discovery source's full list → fleet membership, minus what cannot be routed to."""
+
+    def apply(source: str, endpoints: list[EndpointConfig]) -> None:
+        usable = []
+        for endpoint in endpoints:
+            if (
+                endpoint.role == "prefill"
+                and state.config.pd.protocol == "sglang"
+                and endpoint.bootstrap_port is None
+            ):
+                log.warning(
+                    "discovery %s: SGLang prefill %s has no bootstrap port; skipped", source, endpoint.url
+                )
+                continue
+            usable.append(endpoint)
+        state.membership.apply(source, usable)
+        state.metrics.discovery_updates.labels(source).inc()
+
+    return apply
 
 
 def _on_scraped(state: GatewayState) -> Callable[[Endpoint], None]:
@@ -296,3 +328,4 @@ async def _admission_ticker(state: GatewayState, interval_s: float = 0.05) -> No
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("upstream_session", aiohttp.ClientSession)
 _HEALTH: web.AppKey[HealthChecker] = web.AppKey("health_checker", HealthChecker)
 _FORGET: web.AppKey[object] = web.AppKey("forget_endpoint", object)
+_DISCOVERY: web.AppKey[list] = web.AppKey("discovery_sources", list)

@@ -64,8 +64,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     overrides = _serve_overrides(args)
     try:
         config = load_config(args.config, overrides=overrides)
-        if not config.endpoints:
-            raise ConfigError("endpoints: at least one endpoint is required (--endpoint URL or config file)")
+        if not config.endpoints and not (config.discovery.kubernetes or config.discovery.dns):
+            raise ConfigError(
+                "endpoints: at least one endpoint (--endpoint URL or config file) or a discovery source"
+                " is required"
+            )
         build_app(config)  # validate plugins and profiles before forking workers
     except ConfigError as exc:
         print(f"llm-gateway: {exc}", file=sys.stderr)
