@@ -85,11 +85,13 @@ def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
 
 
 async def list_models(http_request: web.Request) -> web.Response:
-    registry = http_request.app[STATE].registry
-    data = [
-        {"id": model, "object": "model", "created": 0, "owned_by": "llm-gateway"}
-        for model in registry.healthy_models()
-    ]
+    """Models with a healthy endpoint; with auth on, only those the caller's key may use."""
+    state = http_request.app[STATE]
+    models = state.registry.healthy_models()
+    if state.auth is not None:
+        tenant = await state.auth.authenticate(http_request.headers)
+        models = [m for m in models if tenant.allows_model(m)]
+    data = [{"id": model, "object": "model", "created": 0, "owned_by": "llm-gateway"} for model in models]
     return web.json_response({"object": "list", "data": data})
 
 

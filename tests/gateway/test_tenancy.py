@@ -70,11 +70,13 @@ async def test_keys_tenants_and_errors_with_the_openai_client(start_upstream, st
     async with http.post(gw.url + "/v1/chat/completions", json=chat_body()) as resp:  # no key at all
         assert resp.status == 401
         assert (await resp.json())["error"]["code"] == "missing_api_key"
-    async with http.get(gw.url + "/v1/models") as resp:  # model list stays open (no tenant data)
-        assert resp.status == 200
+    async with http.get(gw.url + "/v1/models") as resp:
+        assert resp.status == 401
+    listed = await client(gw, "sk-other").models.list()
+    assert [m.id for m in listed.data] == ["big"]  # only what the key may use
     text = await gateway_metrics(http, gw)
-    for reason in ("invalid_key", "model_not_allowed", "missing_key"):
-        assert metric_value(text, "llm_gateway_auth_failures_total", reason=reason) == 1
+    for reason, count in (("invalid_key", 1), ("model_not_allowed", 1), ("missing_key", 2)):
+        assert metric_value(text, "llm_gateway_auth_failures_total", reason=reason) == count
 
 
 async def test_rate_limit_429_with_retry_after_and_headers(start_upstream, start_gateway, keys_file):
