@@ -12,6 +12,7 @@ from gateway.access_log import INFERENCE_REQUEST
 from gateway.admin import endpoint_row
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
+from gateway.openapi import serve_openapi
 from gateway.parsing import parse_request
 from gateway.state import STATE, GatewayState
 from gateway.types import ApiKind, Endpoint, InferenceRequest
@@ -130,3 +131,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/endpoints", endpoints_status)
+    app.router.add_get("/openapi.json", serve_openapi)

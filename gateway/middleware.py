@@ -28,7 +28,7 @@ _HTTP_ERRORS = {
 
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id", "")
-    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
+    if given and len(given) <= _MAX_REQUEST_ID and given.isascii() and given.isprintable():
         return given
     return uuid.uuid4().hex
 

@@ -146,7 +146,7 @@ class SessionTokens:
     def verify(self, token: str) -> str | None:
         """The endpoint name if the token is ours and intact, else None."""
         encoded, _, mac = token.partition(".")
-        if not encoded or not mac or len(token) > 512:
+        if not encoded or not mac or len(token) > 512 or not token.isascii():
             return None
         try:
             payload = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
