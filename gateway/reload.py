@@ -121,6 +121,8 @@ class ConfigReloader:
             new = load_config(self._path, overrides=self._overrides)
             if new == self._state.config:
                 result = "unchanged"
+                if self._state.auth is not None:
+                    self._state.auth.reconfigure(new.auth)  # SIGHUP also re-reads the keys file
             else:
                 await apply_config(self._state, new)
                 result = "applied"
@@ -132,9 +134,12 @@ class ConfigReloader:
         return result
 
     async def watch(self, interval_s: float = 2.0) -> None:
-        """Poll the file's content (a Kubernetes ConfigMap update swaps a symlink; mtimes lie)."""
+        """Poll the file's content (a Kubernetes ConfigMap update swaps a symlink; mtimes lie),
+        and the API keys file, which a mounted Secret updates on its own schedule."""
         while True:
             await asyncio.sleep(interval_s)
             digest = self._read_digest()
             if digest is not None and digest != self._digest:
                 await self.reload()
+            elif self._state.auth is not None:
+                self._state.auth.reload_keys_if_changed()  # a Secret update swaps the file in place

@@ -95,6 +95,15 @@ class TenantAuth:
             except KeyFileError as exc:
                 raise ConfigError(f"auth.keys_file: {exc}") from None
 
+    def reload_keys_if_changed(self) -> bool:
+        """For the file watch: re-read the keys file if it changed; a broken file keeps the old keys."""
+        if not isinstance(self.keys, FileKeyStore):
+            return False
+        try:
+            return self.keys.reload_if_changed()
+        except KeyFileError:
+            return False  # logged by the store, once per broken edit
+
     async def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         raw = extract_key(headers)
         if not raw:

@@ -1,26 +1,44 @@
 """Deployment artifacts: the Grafana dashboard, Prometheus rules and Kubernetes manifests.
 
 Metric names are checked against what a real gateway exports, so a renamed metric breaks a test
-instead of a dashboard panel.
+instead of a dashboard panel. The manifests' gateway config is loaded, built and served for real
+(discovery against a local API server, API keys from the Secret's template), so a manifest that
+no longer matches the code breaks a test instead of a rollout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
+import os
+import posixpath
 import re
+import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import openai
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import build_app
-from gateway.config import load_config
-from tests.gateway.harness import chat_body, gateway_metrics
+from gateway.auth import hash_key
+from gateway.auth.keyfile import KeyFileError, load_keys_file
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.discovery.kubernetes import Skip, endpoint_from_pod
+from gateway.server import start_site
+from gateway.state import STATE
+from tests.discovery.apiserver import make_pod, running_apiserver
+from tests.gateway.harness import Gateway, chat_body, free_port, gateway_metrics, wait_until
+from tests.prefix.conftest import key_prefix, redis_url
+
+__all__ = ["key_prefix", "redis_url"]  # fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "llm-gateway.json"
@@ -259,18 +277,279 @@ def test_pdb_selects_gateway_pods():
     assert pdb["spec"]["minAvailable"] < one("Deployment", "llm-gateway")["spec"]["replicas"]
 
 
-def test_configmap_gateway_config_builds(tmp_path):
-    raw = one("ConfigMap", "llm-gateway-config")["data"]["gateway.yaml"]
+EXAMPLE = ROOT / "deploy" / "examples" / "gateway.yaml"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where the kubelet mounts the pod's token
+REDIS_DB = re.compile(r"/(\d+)$")
+
+
+def gateway_yaml(configmap: dict[str, Any]) -> str:
+    return configmap["data"]["gateway.yaml"]
+
+
+def production_yaml() -> str:
+    return gateway_yaml(one("ConfigMap", "llm-gateway-config"))
+
+
+def load_gateway_config(raw: str, tmp_path: Path, environ: dict[str, str] | None = None) -> GatewayConfig:
     path = tmp_path / "gateway.yaml"
     path.write_text(raw)
-    config = load_config(path, environ={})
-    example = yaml.safe_load((ROOT / "deploy" / "examples" / "gateway.yaml").read_text())
-    assert set(example) <= set(yaml.safe_load(raw))  # same structure as the documented example
+    return load_config(path, environ=environ or {})
+
+
+def gateway_pod() -> dict[str, Any]:
+    return one("Deployment", "llm-gateway")["spec"]["template"]["spec"]
+
+
+def gateway_container() -> dict[str, Any]:
+    (container,) = gateway_pod()["containers"]
+    return container
+
+
+def selector_terms(selector: str) -> list[tuple[str, str, str]]:
+    """Equality-based label selector terms (``k=v``, ``k==v``, ``k!=v``); anything else fails the test."""
+    terms = []
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        match = re.fullmatch(r"([^!=\s]+)\s*(==|=|!=)\s*([^!=\s]*)", term)
+        assert match, f"unsupported selector term {term!r}"
+        terms.append((match[1], match[2], match[3]))
+    return terms
+
+
+def selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    return all((labels.get(key) == value) == (op != "!=") for key, op, value in selector_terms(selector))
+
+
+def keys_template() -> str:
+    return one("Secret", "llm-gateway-api-keys")["stringData"]["keys.yaml"]
+
+
+def filled_keys(tmp_path: Path) -> tuple[Path, list[str]]:
+    """The Secret's keys.yaml with each REPLACE_ME replaced by the hash of a distinct test key."""
+    raw_keys: list[str] = []
+
+    def fill(_match: re.Match[str]) -> str:
+        raw_keys.append(f"sk-deploy-test-{len(raw_keys)}")
+        return hash_key(raw_keys[-1])
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(re.sub("REPLACE_ME", fill, keys_template()))
+    return path, raw_keys
+
+
+def with_keys_file(config: GatewayConfig, keys_file: Path) -> GatewayConfig:
+    return config.model_copy(update={"auth": config.auth.model_copy(update={"keys_file": str(keys_file)})})
+
+
+@pytest.fixture
+def in_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the kubelet injects into every container; in-cluster discovery finds the API server by it."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+
+
+def test_configmap_gateway_config_builds(tmp_path, in_cluster, monkeypatch):
+    config = load_gateway_config(production_yaml(), tmp_path)
     redis_host = one("Service", "llm-gateway-redis")["metadata"]["name"]
     assert config.prefix.backend == "redis" and config.sessions.backend == "redis"
-    assert f"//{redis_host}." in config.prefix.redis_url and f"//{redis_host}." in config.sessions.redis_url
-    assert config.server.port == 8080 and len(config.endpoints) >= 1
-    build_app(config)  # wiring validation; Redis is contacted only at startup
+    assert config.auth.limits_backend == "redis"  # tenant limits hold across gateway replicas
+    redis_urls = [config.prefix.redis_url, config.sessions.redis_url, config.auth.redis_url]
+    assert all(f"//{redis_host}." in url for url in redis_urls)
+    dbs = [REDIS_DB.search(url) for url in redis_urls]
+    assert all(dbs) and len({m[1] for m in dbs if m}) == 3  # prefix, sessions, limits: one database each
+    assert config.server.port == 8080 and config.server.host == "0.0.0.0"
+    # Endpoints come from discovery alone, in-cluster.
+    k8s = config.discovery.kubernetes
+    assert config.endpoints == [] and k8s is not None and k8s.api_server is None
+    assert k8s.label_selector == "app.kubernetes.io/name=vllm" and k8s.port == 8000
+    assert config.auth.enabled and config.auth.backend == "file"
+
+    keys_file, raw_keys = filled_keys(tmp_path)
+    app = build_app(with_keys_file(config, keys_file))  # wiring validation; no socket, no Redis yet
+    auth = app[STATE].auth
+    assert auth is not None and len(auth.keys) == len(raw_keys) >= 2
+    tenants = {auth.keys.lookup_now(k).name for k in raw_keys}  # type: ignore[attr-defined]
+    assert tenants == set(yaml.safe_load(keys_template())["tenants"])
+    # Outside a cluster the same config is refused at start-up, as is a missing keys file:
+    # the gateway never starts without its endpoint source, nor open with auth on.
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    with pytest.raises(ConfigError, match=r"discovery\.kubernetes\.api_server"):
+        build_app(with_keys_file(config, keys_file))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    with pytest.raises(ConfigError, match="auth"):
+        build_app(with_keys_file(config, tmp_path / "missing.yaml"))
+
+
+def test_example_config_has_the_configmap_structure():
+    example = yaml.safe_load(EXAMPLE.read_text())
+    production = yaml.safe_load(production_yaml())
+    # The same sections, except where endpoints come from: listed in the example, discovered in production.
+    assert "endpoints" in example and "discovery" not in example
+    assert "discovery" in production and "endpoints" not in production
+    assert set(example) - {"endpoints"} == set(production) - {"discovery"}
+    for section, value in example.items():
+        if isinstance(value, dict):
+            assert set(value) == set(production[section]), section
+    # The local example runs anywhere: static endpoints, auth off, no cluster, no Redis.
+    config = load_config(EXAMPLE, environ={})
+    assert len(config.endpoints) >= 1 and config.discovery.kubernetes is None and not config.auth.enabled
+    assert config.prefix.backend == config.sessions.backend == config.auth.limits_backend == "memory"
+    build_app(config)
+
+
+def test_discovery_never_selects_the_gateway_itself(tmp_path):
+    selector = load_gateway_config(production_yaml(), tmp_path).discovery.kubernetes.label_selector
+    for name in ("llm-gateway", "llm-gateway-redis"):
+        labels = one("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert not selector_matches(selector, labels), name
+    # The model servers of the examples carry the label it selects.
+    fleet = [d for d in pd_fleet() if d["kind"] == "Deployment"]
+    assert fleet and all(
+        selector_matches(selector, d["spec"]["template"]["metadata"]["labels"]) for d in fleet
+    )
+
+
+def probe_timing(probe: dict[str, Any]) -> tuple[int, int, int]:
+    """periodSeconds, failureThreshold, timeoutSeconds, with Kubernetes' defaults."""
+    return probe.get("periodSeconds", 10), probe.get("failureThreshold", 3), probe.get("timeoutSeconds", 1)
+
+
+@pytest.mark.parametrize(
+    "config_file", [K8S / "configmap.yaml", K8S / "examples" / "vllm-pd-fleet.yaml"], ids=lambda p: p.name
+)
+def test_grace_period_covers_drain_and_shutdown(config_file, tmp_path):
+    (cm,) = [d for d in yaml.safe_load_all(config_file.read_text()) if d and d["kind"] == "ConfigMap"]
+    assert {"drain_s", "shutdown_timeout_s"} <= set(yaml.safe_load(gateway_yaml(cm))["server"])  # explicit
+    server = load_gateway_config(gateway_yaml(cm), tmp_path).server
+    pod, container = gateway_pod(), gateway_container()
+    # The kubelet SIGKILLs at the grace period: the drain and then the in-flight requests must fit.
+    assert pod["terminationGracePeriodSeconds"] > server.drain_s + server.shutdown_timeout_s
+    # While draining /ready is 503; the readiness probe must fail failureThreshold times (and at
+    # least twice) inside drain_s, even when SIGTERM lands just after a successful probe.
+    period, failures, timeout = probe_timing(container["readinessProbe"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert period * max(2, failures) + timeout <= server.drain_s
+    # Liveness reads /health, which stays 200 while draining (asserted against a live gateway below).
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+@contextlib.asynccontextmanager
+async def serving(config: GatewayConfig) -> AsyncIterator[Gateway]:
+    """The gateway as ``llm-gateway serve`` runs it, on a free port of 127.0.0.1."""
+    app = build_app(config)
+    port = free_port()
+    runner = await start_site(
+        app,
+        "127.0.0.1",
+        port,
+        shutdown_timeout_s=1.0,
+        max_header_bytes=config.server.max_header_bytes,
+        max_headers=config.server.max_headers,
+    )
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", app)
+    finally:
+        await runner.cleanup()
+
+
+def localised(
+    config: GatewayConfig, api_url: str, token: Path, keys: Path, redis: str, prefix: str
+) -> GatewayConfig:
+    """The production config with only the cluster's addresses replaced by local ones."""
+    k8s = config.discovery.kubernetes
+    assert k8s is not None
+    local_k8s = k8s.model_copy(update={"api_server": api_url, "token_file": str(token), "ca_file": None})
+    redis_update = {"redis_url": redis, "key_prefix": prefix}
+    return config.model_copy(
+        update={
+            "discovery": config.discovery.model_copy(update={"kubernetes": local_k8s}),
+            "prefix": config.prefix.model_copy(update=redis_update),
+            "sessions": config.sessions.model_copy(update=redis_update),
+            "auth": config.auth.model_copy(update={**redis_update, "keys_file": str(keys)}),
+        }
+    )
+
+
+async def test_production_config_serves_discovered_pods_to_tenants(
+    start_sim, http, tmp_path, redis_url, key_prefix
+):
+    """configmap.yaml's config as deployed; only the API server, token, keys file and Redis are local."""
+    sim = await start_sim(model="m")
+    token = tmp_path / "token"
+    token.write_text("sa-token")
+    keys_file, raw_keys = filled_keys(tmp_path)
+    admin_key = "admin-deploy-test"
+    (admin_env,) = [
+        e["name"]
+        for e in gateway_container()["env"]
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "llm-gateway-admin-key"
+    ]
+    config = load_gateway_config(production_yaml(), tmp_path, {admin_env: hash_key(admin_key)})
+    k8s = config.discovery.kubernetes
+    assert k8s is not None
+    labels = {key: value for key, op, value in selector_terms(k8s.label_selector) if op != "!="}
+    port = sim.url.rsplit(":", 1)[1]
+    async with running_apiserver(k8s.namespace) as api:
+        api.put(
+            make_pod(
+                "vllm-0",
+                "127.0.0.1",
+                labels=labels,
+                annotations={k8s.port_annotation: port},
+                namespace=k8s.namespace,
+            )
+        )
+        local = localised(config, api.url, token, keys_file, redis_url, key_prefix)
+        async with serving(local) as gw:
+
+            async def ready() -> bool:
+                async with http.get(gw.url + "/ready") as resp:
+                    return resp.status == 200
+
+            await wait_until(ready, 5.0, "the discovered pod to make the gateway ready")
+            assert api.lists and api.lists[-1].authorization == "Bearer sa-token"
+
+            # Tenants from the keys Secret, through the real OpenAI client.
+            for key in raw_keys:
+                async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) as client:
+                    reply = await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    )
+                    assert reply.choices[0].message.content
+            async with openai.AsyncOpenAI(
+                base_url=gw.url + "/v1", api_key="sk-unknown", max_retries=0
+            ) as client:
+                with pytest.raises(openai.AuthenticationError):
+                    await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    )
+            async with http.post(gw.url + "/v1/chat/completions", json=chat_body("m")) as resp:
+                assert resp.status == 401
+            # The tenants' limits were counted in the shared Redis (limits_backend: redis).
+            client = aioredis.from_url(redis_url)
+            try:
+                limit_keys = [k async for k in client.scan_iter(match=f"{key_prefix}:ratelimit:*")]
+            finally:
+                await client.aclose()
+            assert limit_keys
+
+            # The admin API: open to the key whose hash the Deployment's env carries, closed otherwise.
+            admin = {"Authorization": f"Bearer {admin_key}"}
+            async with http.get(gw.url + "/admin/endpoints", headers=admin) as resp:
+                assert resp.status == 200
+                (row,) = (await resp.json())["endpoints"]
+            assert row["url"] == sim.url and row["source"].startswith("kubernetes")
+            async with http.get(
+                gw.url + "/admin/endpoints", headers={"Authorization": "Bearer nope"}
+            ) as resp:
+                assert resp.status == 401
+
+            # Draining (what SIGTERM starts): the readiness path fails, the liveness path does not.
+            gw.state.shutting_down = True
+            container = gateway_container()
+            async with http.get(gw.url + container["readinessProbe"]["httpGet"]["path"]) as resp:
+                assert resp.status == 503
+            async with http.get(gw.url + container["livenessProbe"]["httpGet"]["path"]) as resp:
+                assert resp.status == 200
 
 
 def test_keda_scaledobject_uses_desired_replicas():
@@ -367,37 +646,116 @@ def test_servicemonitor_scrapes_gateway_service_port():
     assert endpoint["path"] == "/metrics"
 
 
-def test_secrets_are_placeholders_and_match_deployment():
+def test_secrets_are_placeholders_and_match_deployment(tmp_path):
     secrets = {d["metadata"]["name"]: d for d in docs_in(K8S / "secret-api-keys.yaml")}
-    assert set(secrets) == {"llm-gateway-api-keys", "llm-gateway-session-secret"}
+    assert set(secrets) == {"llm-gateway-api-keys", "llm-gateway-admin-key", "llm-gateway-session-secret"}
     for secret in secrets.values():
         assert secret["kind"] == "Secret" and "data" not in secret
         assert all("REPLACE_ME" in v for v in secret["stringData"].values())
-    # The key the Deployment reads exists in the session Secret.
-    (container,) = one("Deployment", "llm-gateway")["spec"]["template"]["spec"]["containers"]
-    refs = [
-        e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})
-    ]
-    ref = next(r for r in refs if r["name"] == "llm-gateway-session-secret")
-    assert ref["key"] in secrets["llm-gateway-session-secret"]["stringData"]
+    # Every Secret the Deployment reads into its environment exists with that key, and each variable
+    # lands in the config field it is meant for.
+    env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in gateway_container()["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    expected = {
+        "LLM_GATEWAY_SESSIONS__TOKEN_SECRET": (
+            "llm-gateway-session-secret",
+            lambda c: c.sessions.token_secret,
+        ),
+        "LLM_GATEWAY_AUTH__ADMIN_KEY_SHA256": ("llm-gateway-admin-key", lambda c: c.auth.admin_key_sha256),
+    }
+    assert set(env) == set(expected)
+    value = hash_key("a-secret-value")
+    for name, (secret, field) in expected.items():
+        ref = env[name]
+        assert ref["name"] == secret and ref["key"] in secrets[secret]["stringData"]
+        assert ref["optional"] is True  # the pod starts without it; that feature stays off
+        assert field(load_gateway_config(production_yaml(), tmp_path)) is None
+        assert field(load_gateway_config(production_yaml(), tmp_path, {name: value})) == value
 
 
-def test_discovery_rbac_binds_gateway_service_account():
+def test_keys_secret_template_is_a_keys_file(tmp_path):
+    template = tmp_path / "template.yaml"
+    template.write_text(keys_template())
+    # As shipped the placeholders are refused, so nobody runs on them by accident.
+    with pytest.raises(KeyFileError, match="sha256"):
+        load_keys_file(template)
+    path, raw_keys = filled_keys(tmp_path)
+    keys = load_keys_file(path)
+    assert set(keys) == {hash_key(k) for k in raw_keys} and len(raw_keys) >= 2
+    assert {t.name for t in keys.values()} == set(yaml.safe_load(keys_template())["tenants"])
+
+
+def test_documented_hash_command_matches_the_gateway():
+    text = (K8S / "secret-api-keys.yaml").read_text()
+    (command,) = re.findall(r'^#\s+(printf %s "\$KEY" \| sha256sum[^#\n]*?)\s*(?:#.*)?$', text, re.M)
+    key = "sk-deploy test ✓"  # a space and non-ASCII: the command must hash the UTF-8 bytes, as the gateway
+    result = subprocess.run(
+        ["bash", "-c", command], env={**os.environ, "KEY": key}, capture_output=True, text=True, timeout=10
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == hash_key(key)
+
+
+def test_keys_secret_mounted_where_auth_reads_it(tmp_path):
+    keys_file = load_gateway_config(production_yaml(), tmp_path).auth.keys_file
+    pod, container = gateway_pod(), gateway_container()
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "llm-gateway-api-keys"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    secret_keys = one("Secret", "llm-gateway-api-keys")["stringData"]
+    files = {i["key"]: i["path"] for i in volume["secret"].get("items", [])} or {k: k for k in secret_keys}
+    assert set(files) <= set(secret_keys)
+    assert posixpath.join(mount["mountPath"], files["keys.yaml"]) == keys_file
+    assert mount["readOnly"] is True
+    # A subPath mount never sees Secret updates; a directory mount is swapped in place by the kubelet.
+    assert "subPath" not in mount and "subPathExpr" not in mount
+    # Not nested in (or over) another volume's mount, such as the ConfigMap's /etc/llm-gateway.
+    for other in container["volumeMounts"]:
+        if other is not mount:
+            a, b = other["mountPath"].rstrip("/") + "/", mount["mountPath"].rstrip("/") + "/"
+            assert not (a.startswith(b) or b.startswith(a)), other
+    # Readable by the gateway's group (the kubelet gives Secret files the pod's fsGroup), not by others.
+    mode = volume["secret"].get("defaultMode", 0o644)
+    security = pod["securityContext"]
+    assert mode & 0o040 and not mode & 0o007 and security["fsGroup"] == security["runAsGroup"]
+
+
+def test_service_account_token_mounted_for_discovery(tmp_path):
+    k8s = load_gateway_config(production_yaml(), tmp_path).discovery.kubernetes
+    assert k8s is not None and k8s.api_server is None  # in-cluster: token and CA from the pod's mount
+    assert posixpath.dirname(k8s.token_file) == SA_DIR
+    assert k8s.ca_file is not None and posixpath.dirname(k8s.ca_file) == SA_DIR
+    pod = gateway_pod()
+    # The pod's own setting overrides the ServiceAccount's (which keeps automount off for others).
+    assert pod["automountServiceAccountToken"] is True
+    # Nothing else is mounted over the token's directory.
+    for mount in gateway_container()["volumeMounts"]:
+        path = mount["mountPath"].rstrip("/")
+        assert not (SA_DIR + "/").startswith(path + "/"), mount
+
+
+def test_discovery_rbac_binds_gateway_service_account(tmp_path):
     docs = {d["kind"]: d for d in docs_in(K8S / "rbac-discovery.yaml")}
     role, binding = docs["Role"], docs["RoleBinding"]
     (rule,) = role["rules"]
     assert rule["apiGroups"] == [""]
-    assert set(rule["resources"]) == {"pods", "endpoints"}
-    assert set(rule["verbs"]) == {"get", "list", "watch"}  # read-only
+    assert set(rule["resources"]) == {"pods"}  # discovery reads pods, nothing else
+    assert set(rule["verbs"]) == {"get", "list", "watch"}  # read-only; list + watch are what it uses
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
     sa = one("ServiceAccount", "llm-gateway")
-    gateway_sa = one("Deployment", "llm-gateway")["spec"]["template"]["spec"]["serviceAccountName"]
+    gateway_sa = gateway_pod()["serviceAccountName"]
     (subject,) = binding["subjects"]
     assert subject == {"kind": "ServiceAccount", "name": gateway_sa, "namespace": sa["metadata"]["namespace"]}
+    # Granted in the namespace discovery watches.
+    k8s = load_gateway_config(production_yaml(), tmp_path).discovery.kubernetes
+    assert k8s is not None
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == k8s.namespace
 
 
 def pd_fleet() -> list[dict[str, Any]]:
@@ -431,25 +789,46 @@ def test_pd_fleet_pools():
         assert all(p["targetPort"] in port_names for p in svc["spec"]["ports"])
 
 
-def test_pd_fleet_gateway_config_builds(tmp_path):
+def test_pd_fleet_gateway_config_builds(tmp_path, in_cluster):
     docs = pd_fleet()
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
     # Drop-in for configmap.yaml: the name the gateway Deployment mounts.
     assert cm["metadata"]["name"] == one("ConfigMap", "llm-gateway-config")["metadata"]["name"]
-    path = tmp_path / "gateway.yaml"
-    path.write_text(cm["data"]["gateway.yaml"])
-    config = load_config(path, environ={})
+    config = load_gateway_config(gateway_yaml(cm), tmp_path)
     assert config.pd.protocol == "vllm" and config.pd.decider == "prefix-aware"
-    roles = {e.role for e in config.endpoints}
-    assert {"prefill", "decode"} <= roles
-    # Every endpoint URL names a pool Service of the fleet, with the Service's port and role.
-    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    for endpoint in config.endpoints:
-        host, port = endpoint.url.split("://", 1)[1].split(":")
-        svc = services[host.split(".")[0]]
-        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
-        assert svc["spec"]["selector"]["llm-d.ai/role"] == endpoint.role
-    build_app(config)
+    # Only routing differs from configmap.yaml: shutdown, resilience, Redis and auth stay as deployed.
+    base = load_gateway_config(production_yaml(), tmp_path)
+    for section in ("server", "resilience", "prefix", "sessions", "auth", "discovery"):
+        assert getattr(config, section) == getattr(base, section), section
+    assert set(yaml.safe_load(gateway_yaml(cm))) == set(yaml.safe_load(production_yaml())) | {
+        "pd",
+        "autoscale",
+    }
+    # Discovery turns each Ready pod of the fleet into an endpoint with its pool's role and port.
+    k8s = config.discovery.kubernetes
+    assert config.endpoints == [] and k8s is not None
+    roles = set()
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        template = dep["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        assert selector_matches(k8s.label_selector, labels) and dep["metadata"]["namespace"] == k8s.namespace
+        (container,) = template["spec"]["containers"]
+        http_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+        pod = make_pod(
+            f"{dep['metadata']['name']}-abc12",
+            "10.244.1.7",
+            labels=labels,
+            annotations=template["metadata"].get("annotations"),
+            namespace=k8s.namespace,
+        )
+        endpoint = endpoint_from_pod(pod, k8s)
+        assert not isinstance(endpoint, Skip), endpoint
+        assert endpoint.url == f"http://10.244.1.7:{http_port}"
+        assert endpoint.role == labels["llm-d.ai/role"] and endpoint.engine == "vllm"
+        roles.add(endpoint.role)
+    assert roles == {"prefill", "decode"}
+    keys_file, _ = filled_keys(tmp_path)
+    build_app(with_keys_file(config, keys_file))
 
 
 def test_pd_autoscaling_examples():

@@ -113,3 +113,35 @@ async def _has_reloads(http, gateway, result) -> bool:
 
 async def _reloads_at_least(http, gateway, result, count) -> bool:
     return await _reloads(http, gateway, result) >= count
+
+
+async def test_keys_file_changes_are_picked_up_without_a_signal(start_sim, http, tmp_path):
+    from gateway.auth import hash_key
+
+    sim = await start_sim(model="m")
+    keys = tmp_path / "keys.yaml"
+    tenants = {"t": {"requests_per_minute": 0}}
+    _write(keys, {"tenants": tenants, "keys": [{"sha256": hash_key("sk-old"), "tenant": "t"}]})
+    path = tmp_path / "gw.yaml"
+    _write(path, {"endpoints": [{"url": sim.url}], "auth": {"enabled": True, "keys_file": str(keys)}})
+    gw = await start_gateway([], ["--config", str(path)], log_dir=tmp_path)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def status(key: str) -> int:
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as resp:
+            return resp.status
+
+    try:
+        assert await status("sk-old") == 200 and await status("sk-new") == 401
+        _write(keys, {"tenants": tenants, "keys": [{"sha256": hash_key("sk-new"), "tenant": "t"}]})
+        await wait_until(lambda: _is(status("sk-new"), 200), 5.0, "the new key to be accepted")
+        assert await status("sk-old") == 401  # rotated out
+        keys.write_text("keys: [broken")  # a bad edit keeps the keys in force
+        await asyncio.sleep(2.5)
+        assert await status("sk-new") == 200
+    finally:
+        await gw.stop()
+
+
+async def _is(awaitable, expected) -> bool:
+    return await awaitable == expected
