@@ -194,7 +194,11 @@ def test_rules_structure():
     )
     stale = alerts["LLMGatewayEndpointMetricsStale"]
     assert stale["expr"].strip() == "llm_gateway_endpoint_metrics_stale == 1" and stale["for"] == "1m"
-    assert len(alerts) == 5
+    ejected = alerts["LLMGatewayEndpointEjected"]
+    assert "llm_gateway_endpoint_ejected" in ejected["expr"] and ejected["for"] == "5m"
+    assert 'result="rejected"' in alerts["LLMGatewayConfigReloadRejected"]["expr"]
+    assert "llm_gateway_retry_budget_exhausted_total" in alerts["LLMGatewayRetryBudgetExhausted"]["expr"]
+    assert len(alerts) == 8
 
 
 # --- Kubernetes manifests ---------------------------------------------------------------------
