@@ -160,7 +160,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         from gateway.tenancy import TenantAuth
 
         state.auth = TenantAuth(config.auth, metrics)
-    metrics.watch_endpoints(lambda: registry, prefix.size)
+    metrics.watch_endpoints(lambda: registry, prefix.size, prefix.capacity)
     metrics.sessions_active.set_function(sessions.store.active)
     metrics.registry.register(AutoscaleCollector(lambda: registry, config.autoscale))
 

@@ -85,7 +85,7 @@ class HealthConfig(_Strict):
 
 class ScrapeConfig(_Strict):
     interval_s: float = Field(1.0, gt=0)
-    timeout_s: float = Field(0.5, gt=0)
+    timeout_s: float = Field(1.0, gt=0, description="a busy engine's /metrics can take over 0.5 s")
     stale_after_s: float = Field(3.0, gt=0)
     enabled: bool = True
 

@@ -30,10 +30,14 @@ class _EndpointStateCollector:
     """
 
     def __init__(
-        self, endpoints: Callable[[], Iterable[Endpoint]], index_size: Callable[[Endpoint], int]
+        self,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        index_size: Callable[[Endpoint], int],
+        index_capacity: Callable[[Endpoint], int] | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._index_size = index_size
+        self._index_capacity = index_capacity
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
@@ -66,6 +70,11 @@ class _EndpointStateCollector:
             "Blocks the local prefix index holds per endpoint",
             labels=["endpoint"],
         )
+        capacity = GaugeMetricFamily(
+            "llm_gateway_prefix_index_capacity_blocks",
+            "Blocks the prefix index keeps per endpoint (engine KV size, shrunk by mispredictions)",
+            labels=["endpoint"],
+        )
         for endpoint in self._endpoints():
             in_flight.add_metric([endpoint.name], endpoint.in_flight)
             tokens.add_metric([endpoint.name], endpoint.in_flight_tokens)
@@ -73,7 +82,9 @@ class _EndpointStateCollector:
             ejected.add_metric([endpoint.name], 1 if endpoint.ejected else 0)
             draining.add_metric([endpoint.name], 1 if endpoint.draining else 0)
             index.add_metric([endpoint.name], self._index_size(endpoint))
-        yield from (in_flight, tokens, pending, ejected, draining, index)
+            if self._index_capacity is not None:
+                capacity.add_metric([endpoint.name], self._index_capacity(endpoint))
+        yield from (in_flight, tokens, pending, ejected, draining, index, capacity)
 
 
 class GatewayMetrics:
@@ -335,6 +346,9 @@ class GatewayMetrics:
         return found
 
     def watch_endpoints(
-        self, endpoints: Callable[[], Iterable[Endpoint]], index_size: Callable[[Endpoint], int]
+        self,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        index_size: Callable[[Endpoint], int],
+        index_capacity: Callable[[Endpoint], int] | None = None,
     ) -> None:
-        self.registry.register(_EndpointStateCollector(endpoints, index_size))
+        self.registry.register(_EndpointStateCollector(endpoints, index_size, index_capacity))

@@ -28,7 +28,7 @@ from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout, 
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PD_DECISION, PD_STATE, PDCoordinator, PDLeg
 from gateway.resilience import CircuitBreakers, RetryBudget, backoff_s
-from gateway.types import Endpoint, InferenceRequest, SchedulingResult
+from gateway.types import ApiKind, Endpoint, InferenceRequest, SchedulingResult
 from gateway.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 
 __all__ = ["STREAM_STARTED", "Proxy", "RequestHooks", "extract_usage"]
@@ -76,6 +76,66 @@ def extract_usage(payload: bytes) -> tuple[int, int] | None:
         return None
     cached = _CACHED_TOKENS.findall(payload)
     return int(prompt[-1]), int(cached[-1]) if cached else 0
+
+
+_MAX_HELD_BYTES = 16384
+
+
+async def _read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResponse) -> bytes:
+    """The first chunk of a stream; for chat, held until it carries more than the role.
+
+    vLLM and SGLang open a chat stream with ``delta: {"role": "assistant", "content": ""}``
+    before any token exists. Committing the client's response on that chunk would make
+    a replica dying during prefill a mid-stream failure; holding it keeps the request
+    retryable until a real token (or the end) arrives.
+    """
+    chunk = await upstream.readany()
+    if request.api is not ApiKind.CHAT or b'"role"' not in chunk or not _only_role(chunk):
+        return chunk
+    held = bytearray(chunk)
+    while len(held) < _MAX_HELD_BYTES:
+        more = await upstream.readany()
+        if not more:
+            break
+        held += more
+        if not _only_role(bytes(held)):
+            break
+    return bytes(held)
+
+
+def _only_role(buffer: bytes) -> bool:
+    """True while every complete SSE event so far is a role-only chat delta (nothing to show yet)."""
+    *events, _incomplete_tail = buffer.split(b"\n\n")
+    for event in events:
+        event = event.strip()
+        if not event.startswith(b"data:"):
+            return False
+        try:
+            payload = json.loads(event[5:])
+        except ValueError:
+            return False
+        if not isinstance(payload, dict) or payload.get("usage"):
+            return False
+        for choice in payload.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+                return False
+            delta = choice.get("delta")
+            if not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role"):
+                return False
+    return True
+
+
+def _aborted(body: bytes) -> bool:
+    """Every choice of a completed (non-streamed) response ended with ``finish_reason: "abort"``."""
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return False
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +398,11 @@ class Proxy:
             raise UpstreamTimeout("upstream response body timed out") from None
         except ConnectionLost as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
+        if upstream.status == 200 and b'"abort"' in body and _aborted(body):
+            # vLLM shutting down answers in-flight requests 200 with finish_reason "abort" and
+            # a truncated text. Nothing reached the client yet: re-send it elsewhere.
+            self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
+            raise _Retryable("aborted")
         self._hooks.on_first_byte(request, endpoint)
         if self._breakers is not None:
             self._breakers.on_first_byte(endpoint)
@@ -419,9 +484,11 @@ class Proxy:
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
                 if self._breakers is None:
-                    return await self._unless_prefill_fails(request, upstream.readany())
+                    return await self._unless_prefill_fails(request, _read_past_role_chunk(request, upstream))
                 with self._breakers.first_byte_wait(endpoint, limit) as wait:
-                    chunk = await self._unless_prefill_fails(request, upstream.readany())
+                    chunk = await self._unless_prefill_fails(
+                        request, _read_past_role_chunk(request, upstream)
+                    )
                 self._breakers.on_first_byte(endpoint)
                 return chunk
         except TimeoutError:

@@ -131,6 +131,10 @@ class PrefixCache:
     def size(self, endpoint: Endpoint) -> int:
         return self.index.size(endpoint.name)
 
+    def capacity(self, endpoint: Endpoint) -> int:
+        """Blocks the index keeps for this endpoint: its engine's KV size, shrunk by mispredictions."""
+        return self.index.capacity(endpoint.name)
+
     def occupancy(self, endpoint: Endpoint) -> float:
         """Fraction of the endpoint's (believed) cache the index has filled."""
         name = endpoint.name

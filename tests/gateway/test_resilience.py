@@ -206,6 +206,58 @@ async def test_upstream_token_is_injected_and_the_client_key_never_forwarded(
         assert "inline-token" not in await resp.text()
 
 
+async def test_a_shutting_down_engines_aborted_answer_is_resent(start_upstream, start_gateway, http):
+    stopping, good = await start_upstream(), await start_upstream()
+    stopping.mode = "abort"  # 200 with finish_reason "abort", like vLLM on SIGTERM
+    gw = await start_gateway([stopping.url, good.url], policy="round-robin", health=STICKY_HEALTH)
+    for _ in range(4):
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body()) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-gateway-endpoint"] == good.name
+            assert (await resp.json())["choices"][0]["finish_reason"] == "stop"
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_retries_total", reason="aborted") == 2
+    assert (
+        metric_value(text, "llm_gateway_upstream_errors_total", endpoint=stopping.name, kind="aborted") == 2
+    )
+
+
+async def test_a_replica_dying_after_the_role_chunk_is_retried_not_a_broken_stream(
+    start_upstream, start_gateway, http
+):
+    dying, good = await start_upstream(), await start_upstream()
+    dying.mode = "role-then-die"  # opens the chat stream with the role-only delta, then dies in prefill
+    gw = await start_gateway([dying.url, good.url], policy="round-robin", health=STICKY_HEALTH)
+    for _ in range(2):
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        assert resp.headers["x-gateway-endpoint"] == good.name
+        assert "error" not in text and text.endswith("data: [DONE]\n\n")
+    assert dying.first_chunk_sent.is_set()
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_retries_total", reason="disconnected") == 1
+
+
+async def test_the_role_chunk_is_held_until_a_token_arrives(start_upstream, start_gateway, http):
+    upstream = await start_upstream()
+    upstream.mode = "role-then-gated"
+    gw = await start_gateway([upstream.url])
+
+    async def stream() -> str:
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+            return (await resp.read()).decode()
+
+    task = asyncio.create_task(stream())
+    await asyncio.wait_for(upstream.first_chunk_sent.wait(), 2)
+    await asyncio.sleep(0.2)
+    assert not task.done()  # not even the response headers went out: the request is still retryable
+    upstream.gate.set()
+    text = await asyncio.wait_for(task, 5)
+    assert '"role": "assistant"' in text.split("\n\n")[0]  # the role chunk is kept, first
+    assert text.endswith("data: [DONE]\n\n")
+
+
 def test_sliding_counter_forgets_old_seconds():
     counter = SlidingCounter(3)
     counter.add(100.2)

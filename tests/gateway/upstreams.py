@@ -163,7 +163,8 @@ class Upstream:
         else:
             choice = {"index": 0, "text": text}
             obj = "text_completion"
-        choice.update(finish_reason="stop", logprobs=None)
+        # "abort": what vLLM answers in-flight requests when it is shutting down.
+        choice.update(finish_reason="abort" if self.mode == "abort" else "stop", logprobs=None)
         usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
         out = {"id": "cmpl-1", "object": obj, "created": 0, "model": model, "choices": [choice]}
         return web.json_response({**out, "usage": usage})
@@ -185,6 +186,15 @@ class Upstream:
             payload = {"id": "cmpl-1", "object": obj, "created": 0, "model": model, "choices": [choice]}
             await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
+        if chat and self.mode in ("role-then-die", "role-then-gated"):  # vLLM's opening chunk
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            opening = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model}
+            await resp.write(b"data: " + json.dumps({**opening, "choices": [role]}).encode() + b"\n\n")
+            self.first_chunk_sent.set()
+            if self.mode == "role-then-die":
+                self._abort(request)
+                return resp
+            await self.gate.wait()
         await send(0)
         self.first_chunk_sent.set()
         if self.mode == "gated":

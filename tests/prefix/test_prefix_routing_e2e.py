@@ -193,6 +193,9 @@ async def test_index_capacity_follows_engine_kv_size(start_sims, start_gateway, 
             break
         await asyncio.sleep(0.05)
     assert state.prefix.index.capacity(name) <= bound  # learnt from vllm:cache_config_info
+    async with http.get(gw.url + "/metrics") as resp:  # and visible from outside
+        text = await resp.text()
+    assert f'llm_gateway_prefix_index_capacity_blocks{{endpoint="{name}"}} {float(bound)}' in text
     client = client_for(gw)
     try:
         recorded = 0

@@ -1,0 +1,86 @@
+"""A client that goes away mid-request frees the real engine: vLLM aborts the request.
+
+Proof of the abort is the engine's own accounting: the request generated tokens, never
+finished (``vllm:request_success_total{finished_reason="length"}`` does not move although
+``ignore_eos`` would have made it run to ``max_tokens``), and ``vllm:num_requests_running``
+returns to 0. (vLLM does not count client aborts under ``finished_reason="abort"``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.e2e_vllm.conftest import Fleet
+from tests.e2e_vllm.helpers import MODEL, engine_metric
+from tests.gateway.harness import wait_idle, wait_until
+
+pytestmark = pytest.mark.slow
+LONG = 1900  # tokens: 2.5-6 s of decoding on this machine, far longer than the tests wait
+# /metrics of a busy CPU replica can take ~2 s to answer: allow for a couple of slow scrapes.
+SETTLE_S = 6.0
+
+
+def _long_body(stream: bool) -> dict:
+    body = {"model": MODEL, "prompt": "disconnect " * 20, "max_tokens": LONG, "ignore_eos": True}
+    return {**body, "stream": stream}
+
+
+async def _accounts(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Per replica: (generated tokens, requests finished by reaching max_tokens)."""
+    out = {}
+    for url in urls:
+        generated = await engine_metric(http, url, "vllm:generation_tokens_total")
+        finished = await engine_metric(http, url, "vllm:request_success_total", finished_reason="length")
+        out[url] = (generated, finished)
+    return out
+
+
+async def _assert_aborted(http: aiohttp.ClientSession, urls: list[str], before: dict) -> None:
+    for url in urls:
+
+        async def idle(url: str = url) -> bool:
+            return await engine_metric(http, url, "vllm:num_requests_running") == 0
+
+        await wait_until(idle, SETTLE_S, f"vllm:num_requests_running on {url} to return to 0")
+    after = await _accounts(http, urls)
+    generated = sum(after[u][0] - before[u][0] for u in urls)
+    finished = sum(after[u][1] - before[u][1] for u in urls)
+    assert generated > 0, "the request never reached an engine"
+    assert finished == 0, f"the engine ran the request to max_tokens ({generated} tokens): not aborted"
+    assert generated < LONG
+
+
+async def test_stream_disconnect_aborts_the_engine_request(fleet: Fleet, start_gateway, http) -> None:
+    gw = await start_gateway(fleet.urls, policy="round-robin")
+    before = await _accounts(http, fleet.urls)
+    resp = await http.post(gw.url + "/v1/completions", json=_long_body(stream=True))
+    assert resp.status == 200
+    chunks = 0
+    async for line in resp.content:
+        chunks += line.startswith(b"data: ")
+        if chunks == 5:
+            break
+    resp.close()  # the client goes away mid-stream
+    await _assert_aborted(http, fleet.urls, before)
+    await wait_idle(http, gw, within_s=3.0)
+
+
+async def test_non_streaming_disconnect_aborts_the_engine_request(fleet: Fleet, start_gateway, http) -> None:
+    gw = await start_gateway(fleet.urls, policy="round-robin")
+    before = await _accounts(http, fleet.urls)
+
+    async def call() -> tuple[int, str]:
+        async with http.post(gw.url + "/v1/completions", json=_long_body(stream=False)) as resp:
+            return resp.status, await resp.text()
+
+    request = asyncio.create_task(call())
+    await asyncio.sleep(0.5)  # well into decoding: prefill of 40 tokens takes milliseconds
+    assert not request.done(), request.result()
+    request.cancel()  # the client closes its connection before any byte came back
+    await asyncio.gather(request, return_exceptions=True)
+    assert request.cancelled()
+    await _assert_aborted(http, fleet.urls, before)
+    await wait_idle(http, gw, within_s=3.0)

@@ -1,0 +1,111 @@
+"""The gateway's view of real engines: scraped load, KV size, and the usage they report."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from gateway.prefix.cache import CHARS_PER_TOKEN
+from tests.e2e_vllm.conftest import BLOCK_SIZE, NUM_BLOCKS, Fleet
+from tests.e2e_vllm.helpers import MODEL
+from tests.gateway.harness import debug_endpoints, gateway_metrics, metric_value, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+async def test_debug_endpoints_shows_fresh_engine_load(fleet: Fleet, start_gateway, http) -> None:
+    gw = await start_gateway(fleet.urls, policy="prefix-aware")
+    rows = await debug_endpoints(http, gw)
+    assert sorted(rows) == sorted(fleet.urls)
+    for url, row in rows.items():
+        assert row["healthy"], url
+        assert row["models"] == [MODEL]
+        assert row["engine"] == "vllm"
+        assert row["waiting"] == 0 and row["running"] == 0
+        assert row["kv_usage"] is not None and 0 <= row["kv_usage"] < 1
+        assert row["metrics_stale"] is False
+        assert row["metrics_age_s"] is not None and row["metrics_age_s"] < 2.0
+
+
+async def test_prefix_index_capacity_follows_cache_config_info(fleet: Fleet, start_gateway, http) -> None:
+    """num_gpu_blocks × block_size from ``vllm:cache_config_info`` bounds the gateway's index."""
+    gw = await start_gateway(fleet.urls, policy="prefix-aware")
+    block_bytes = gw.state.config.prefix.block_bytes
+    expected = int(NUM_BLOCKS * BLOCK_SIZE * CHARS_PER_TOKEN / block_bytes)
+    for endpoint in gw.state.registry:
+        assert (endpoint.metrics.block_size, endpoint.metrics.num_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
+        assert gw.state.prefix.index.capacity(endpoint.name) == expected
+    assert expected != gw.state.config.prefix.capacity_blocks  # not the default bound
+
+
+async def _keep_busy(http: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> None:
+    """Back-to-back long generations on one replica until ``stop`` is set (each lasts ~3 s)."""
+    body = {"model": MODEL, "prompt": "engine load " * 10, "max_tokens": 2000, "ignore_eos": True}
+    while not stop.is_set():
+        async with http.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            async for _ in resp.content:
+                if stop.is_set():
+                    break
+
+
+async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway, http) -> None:
+    """A busy replica shows running > 0 and KV in use in the gateway's view; an idle one does not.
+
+    The load goes straight to the replica so only the scraper can tell the gateway about it.
+    On this shared 2-core machine a decoding engine starves everyone else (its /metrics can
+    take ~2 s), hence a patient scraper and load kept up until the gateway has seen it.
+    """
+    gw = await start_gateway(fleet.urls, policy="prefix-aware", scrape={"interval_s": 0.2, "timeout_s": 3.0})
+    busy_url, idle_url = fleet.urls
+    stop = asyncio.Event()
+    load = [asyncio.create_task(_keep_busy(http, busy_url, stop)) for _ in range(2)]
+    try:
+
+        async def seen_busy() -> bool:
+            rows = await debug_endpoints(http, gw)
+            return rows[busy_url]["running"] >= 1 and rows[busy_url]["kv_usage"] > 0
+
+        await wait_until(seen_busy, 10.0, "the gateway to scrape running>=1 and kv_usage>0")
+        rows = await debug_endpoints(http, gw)
+        assert rows[idle_url]["running"] == 0 and rows[idle_url]["kv_usage"] == 0
+        text = await gateway_metrics(http, gw)
+        busy_name = busy_url.split("://")[1]
+        assert metric_value(text, "llm_gateway_endpoint_running_requests", endpoint=busy_name) >= 1
+        assert metric_value(text, "llm_gateway_endpoint_kv_cache_utilization", endpoint=busy_name) > 0
+    finally:
+        stop.set()
+        await asyncio.gather(*load)
+
+    async def drained() -> bool:
+        row = (await debug_endpoints(http, gw))[busy_url]
+        return row["running"] == 0 and row["kv_usage"] == 0
+
+    await wait_until(drained, 8.0, "the scraped running count and KV usage to return to 0")
+
+
+async def test_gateway_counts_the_cached_tokens_vllm_reports(fleet: Fleet, start_gateway, http) -> None:
+    """Same prompt twice on one replica: vLLM reports whole cached blocks, and the gateway counts them."""
+    gw = await start_gateway(fleet.urls, policy="prefix-aware")
+    prompt = " ".join(f"usage{i}" for i in range(150))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    usages, served = [], []
+    before = metric_value(await gateway_metrics(http, gw), "llm_gateway_observed_cached_tokens_total") or 0.0
+    for _ in range(2):
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            usages.append((await resp.json())["usage"])
+            served.append(resp.headers["x-gateway-endpoint"])
+    assert served[0] == served[1]  # prefix-aware: the second goes where the prefix is
+    prompt_tokens = usages[0]["prompt_tokens"]
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    # Full blocks only, and never the last prompt token (it must be computed to sample from).
+    assert cached == (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+
+    async def counted() -> bool:
+        text = await gateway_metrics(http, gw)
+        return (metric_value(text, "llm_gateway_observed_cached_tokens_total") or 0.0) - before == cached
+
+    await wait_until(counted, 2.0, "llm_gateway_observed_cached_tokens to count the engine's cached tokens")
