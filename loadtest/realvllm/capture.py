@@ -127,7 +127,7 @@ async def _with_simulator(out_dir: Path, vllm_url: str, options: ReplicaOptions)
     from loadtest.fleet import start_replicas, stop_all
 
     sim_args = ["--model", MODEL_NAME, "--block-size", str(options.block_size)]
-    sim_args += ["--kv-blocks", str(options.num_blocks)]
+    sim_args += ["--kv-blocks", str(options.num_blocks), "--max-model-len", str(options.max_model_len)]
     sims = await start_replicas(1, sim_args)
     try:
         await capture(out_dir, {"vllm": vllm_url, "sim": sims[0].url})

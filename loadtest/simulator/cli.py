@@ -45,6 +45,19 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.scheduling_policy,
         help="priority: waiting requests ordered by the body's 'priority' (lower first), as vLLM",
     )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="vLLM's --max-model-len: longer prompts get vLLM's 400, max_tokens is clamped to what fits",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout_s,
+        help="vLLM's --shutdown-timeout: on SIGTERM let in-flight requests run this many seconds, "
+        "then end them with finish_reason 'abort' (0, the default: at once)",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="start N replicas, one process each")
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port with --replicas (default --port)"
@@ -68,12 +81,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_us_per_kv_token=args.decode_us_per_kv_token,
         seed=args.seed,
         scheduling_policy=args.scheduling_policy,
+        max_model_len=args.max_model_len,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
 _PASSTHROUGH = (
     "host", "engine", "role", "model", "kv_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
     "time_scale", "decode_step_ms", "prefill_us_per_token", "decode_us_per_kv_token", "scheduling_policy",
+    "max_model_len", "shutdown_timeout",
 )  # fmt: skip
 
 
@@ -122,7 +138,7 @@ def _supervise(args: argparse.Namespace) -> int:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 5 + args.shutdown_timeout
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))

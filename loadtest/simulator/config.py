@@ -34,6 +34,12 @@ class SimConfig:
     default_max_tokens: int = 64
     pd_ttl_s: float = 30.0  # how long a prefill's KV stays claimable by a decode replica
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
+    # vLLM's --max-model-len: prompt + output limit per request. The default is what the default
+    # KV cache (kv_blocks x block_size) can hold, the largest value vLLM would start with.
+    max_model_len: int = 32768
+    # vLLM's --shutdown-timeout: on SIGTERM, seconds to let in-flight requests finish before the
+    # rest are aborted. 0 (vLLM's default) aborts them at once.
+    shutdown_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -48,3 +54,7 @@ class SimConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
+        if self.max_model_len <= 1:
+            raise ValueError("max_model_len must be at least 2")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must not be negative")

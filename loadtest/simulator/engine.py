@@ -12,6 +12,7 @@ an overloaded host is detectable (`fidelity_ratio`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -23,11 +24,17 @@ from .kvcache import KVCache, SeqBlocks, block_hashes
 from .tokenizer import output_word, token_id
 
 WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
+# vLLM 0.32's `finished_reason` label values of vllm:request_success_total, in its order.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 _ids = itertools.count()
 
 
 class RequestTooLong(ValueError):
     """Prompt plus output can never fit in the KV cache."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
 
 
 @dataclass(eq=False)
@@ -45,6 +52,7 @@ class SimRequest:
     output_words: list[str] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = -1  # set on first admission (reported as cached_tokens)
+    num_created_cache_tokens: int = 0  # prompt tokens this request newly wrote to the prefix cache
     status: str = WAITING
     finish_reason: str | None = None
     first_token_time: float | None = None
@@ -91,7 +99,13 @@ class Engine:
         self.running: list[SimRequest] = []
         self.slow_factor = 1.0
         self.num_preemptions = 0
+        # Every ended request by reason, client disconnects included (admin state).
         self.finished: dict[str, int] = {"length": 0, "abort": 0}
+        # What vLLM counts in vllm:request_success_total: requests the engine itself finished.
+        # A client disconnect is not one of them (vLLM 0.32 leaves the "abort" series at 0).
+        self.success: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
+        self.stopped = False
+        self._drained: asyncio.Event | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.stats = StepStats()
@@ -117,6 +131,44 @@ class Engine:
         for req in [*self.running, *self.waiting]:
             self.abort(req)
 
+    def close_admission(self) -> None:
+        """Shutting down: new requests are refused, in-flight ones carry on."""
+        self.stopped = True
+
+    async def shutdown(self) -> None:
+        """SIGTERM, as vLLM with --shutdown-timeout 0: stop stepping and end every request now.
+
+        Each one finishes with ``finish_reason == "abort"`` and the tokens it has so far, so its
+        handler still answers the client (a 200, or a stream closed by an abort chunk).
+        """
+        self.stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        now = time.monotonic()
+        for req in [*self.running, *self.waiting]:
+            self._finish(req, now, "abort")
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for every request to end."""
+        if self.idle or timeout_s <= 0:
+            return
+        self._drained = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+
+    def _ended(self) -> None:
+        if self._drained is not None and self.idle:
+            self._drained.set()
+
     # ---- requests ------------------------------------------------------------
     def _enqueue(self, req: SimRequest) -> None:
         """FCFS, or with ``scheduling_policy == "priority"`` by (priority, arrival), like vLLM."""
@@ -131,6 +183,8 @@ class Engine:
         self.waiting.append(req)
 
     def add_request(self, req: SimRequest) -> SimRequest:
+        if self.stopped:
+            raise EngineStopped("the engine is shutting down")
         bs = self.config.block_size
         need = -(-(req.num_prompt_tokens + req.max_tokens) // bs)
         if need > self.kv.num_blocks:
@@ -167,6 +221,7 @@ class Engine:
         req.finish_time = time.monotonic()
         self.finished["abort"] += 1
         req.out.put_nowait(None)
+        self._ended()
 
     # ---- state ---------------------------------------------------------------
     @property
@@ -307,7 +362,11 @@ class Engine:
             if req.status != RUNNING:
                 continue  # aborted while the step ran
             req.num_computed += n
-            self.kv.cache_full_blocks(req.blocks, req.tokens, req.num_computed)
+            created = self.kv.cache_full_blocks(req.blocks, req.tokens, req.num_computed)
+            if created:
+                bs = self.config.block_size
+                full_prompt_blocks = req.num_prompt_tokens // bs
+                req.num_created_cache_tokens += bs * sum(1 for i in created if i < full_prompt_blocks)
             if req.num_computed < len(req.tokens):
                 continue  # partial prefill chunk: no token sampled
             word = output_word(req.seed, req.num_output_tokens)
@@ -322,14 +381,21 @@ class Engine:
             if req.num_output_tokens >= req.max_tokens:
                 self._finish(req, now)
 
-    def _finish(self, req: SimRequest, now: float) -> None:
-        self.running.remove(req)
+    def _finish(self, req: SimRequest, now: float, reason: str = "length") -> None:
+        """The engine ends `req` itself (its client still gets an answer), unlike `abort`."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
         req.last_block_ids = list(req.blocks.block_ids)
         self.kv.free(req.blocks)
         req.status = FINISHED
-        req.finish_reason = "length"
+        req.finish_reason = reason
         req.finish_time = now
-        self.finished["length"] += 1
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if reason != "abort":
+            self.success[reason] += 1
         req.out.put_nowait(None)
+        self._ended()
         if self.on_finish is not None:
             self.on_finish(req)

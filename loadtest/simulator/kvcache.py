@@ -121,19 +121,26 @@ class KVCache:
             seq.block_ids.append(bid)
         return True
 
-    def cache_full_blocks(self, seq: SeqBlocks, tokens: Sequence[int], num_computed: int) -> None:
-        """Register blocks that are now full of computed tokens so later requests can hit them."""
+    def cache_full_blocks(self, seq: SeqBlocks, tokens: Sequence[int], num_computed: int) -> list[int]:
+        """Register blocks that are now full of computed tokens so later requests can hit them.
+
+        Returns the indices (within the sequence) of the blocks this call newly put in the cache,
+        which is what vLLM reports as ``created_cache_tokens``.
+        """
         n_full = min(num_computed // self.block_size, len(seq.block_ids))
         if n_full <= len(seq.hashes):
-            return
+            return []
         parent = seq.hashes[-1] if seq.hashes else None
         new = block_hashes(tokens[: n_full * self.block_size], self.block_size, len(seq.hashes), parent)
+        created: list[int] = []
         for i, h in enumerate(new, start=len(seq.hashes)):
             bid = seq.block_ids[i]
             if h not in self.cached:  # duplicates stay uncached, as in vLLM
                 self.cached[h] = bid
                 self.block_hash[bid] = h
+                created.append(i)
         seq.hashes.extend(new)
+        return created
 
     def free(self, seq: SeqBlocks) -> None:
         """Drop a sequence's references; blocks stay cached, tail blocks are evicted first."""

@@ -13,13 +13,64 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .engine import Engine, SimRequest
+from .config import SimConfig
+from .engine import FINISHED_REASONS, Engine, SimRequest
 
 # vLLM's TTFT buckets.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+
+
+def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
+    """vLLM 0.32's vllm:cache_config_info labels (no model_name), valued for this replica.
+
+    The label set is the one real vLLM emits (tests/data/vllm-0.32-cpu-metrics-sample.txt); the
+    values are those of a GPU replica started with ``--block-size B --num-gpu-blocks-override N
+    --max-model-len L`` (the gateway reads block_size and num_gpu_blocks).
+    """
+    tokens = cfg.kv_blocks * cfg.block_size
+    bs = str(cfg.block_size)
+    return {
+        "_block_size_resolved": "True",
+        "block_size": bs,
+        "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": bs,
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "gpu_memory_utilization": "0.92",
+        "hash_block_size": "None",
+        "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(tokens / cfg.max_model_len),
+        "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(tokens),
+        "kv_offloading_backend": "native",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(cfg.kv_blocks),
+        "num_gpu_blocks_override": str(cfg.kv_blocks),
+        "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
+        "sliding_window": "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
+        "user_specified_block_size": "True",
+    }
 
 
 class PDCounters:
@@ -85,20 +136,14 @@ class _EngineCollector(Collector):
                 "Count of successfully processed requests.",
                 labels=[*names, "finished_reason"],
             )
-            for reason in ("stop", "length", "abort"):
-                succ.add_metric([*values, reason], e.finished.get(reason, 0))
+            for reason in FINISHED_REASONS:
+                succ.add_metric([*values, reason], e.success[reason])
             yield succ
-            info_labels = {
-                "block_size": str(e.config.block_size),
-                "num_gpu_blocks": str(e.config.kv_blocks),
-                "enable_prefix_caching": "True",
-            }
+            info_labels = cache_config_labels(e.config)
             info = GaugeMetricFamily(
-                "vllm:cache_config_info",
-                "Information of the LLMEngine CacheConfig",
-                labels=[*names, *info_labels],
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info_labels)
             )
-            info.add_metric([*values, *info_labels.values()], 1.0)
+            info.add_metric(list(info_labels.values()), 1.0)
             yield info
         else:
             q = e.kv.queries_tokens

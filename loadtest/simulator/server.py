@@ -1,16 +1,17 @@
 """OpenAI-compatible HTTP front end of one simulated replica.
 
-Speaks the same wire format as vLLM / SGLang (chat and text completions, SSE
-streaming, usage with cached_tokens, /v1/models, /health, /metrics) plus admin
-endpoints for fault injection and state inspection used by tests and benchmarks.
-A client that disconnects has its request aborted so its KV blocks are freed.
+Speaks vLLM 0.32's wire format (chat and text completions, SSE streaming, usage with
+cached_tokens, /v1/models, /health, /metrics; shapes in `wire`, checks in `validation`) plus
+admin endpoints for fault injection and state inspection used by tests and benchmarks.
+A client that disconnects has its request aborted so its KV blocks are freed. On shutdown
+(SIGTERM) the listening socket closes first, then in-flight requests are ended with
+``finish_reason: "abort"`` after ``shutdown_timeout_s`` (0: at once), as vLLM does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 import uuid
@@ -24,10 +25,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import SimConfig
-from .engine import FINISHED, Engine, RequestTooLong, SimRequest
+from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
 from .metrics import PDCounters, SimMetrics
 from .pd import REGISTRY, PrefillRecord, prompt_digest
-from .tokenizer import encode, encode_chat
+from .validation import Rejected, parse_body, parse_request
+from .wire import SSE_CONTENT_TYPE, ChunkWriter, completion_body, error_response, json_response, models_body
+from .wire import usage as usage_body
 
 # no_transfer: a P/D prefill replica answers but hands over no KV (no kv_transfer_params, no room)
 FAULT_MODES = ("none", "error", "hang", "drop", "slow", "no_transfer")
@@ -58,23 +61,7 @@ class SimState:
 
 
 STATE_KEY = web.AppKey("sim_state", SimState)
-_JSON_SEP = (",", ":")
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=_JSON_SEP)
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> web.Response:
-    """OpenAI-style error body."""
-    body = {"error": {"message": message, "type": type_, "code": status, "param": param}}
-    return web.json_response(body, status=status)
-
-
-class _BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["RunningSimulator", "build_app", "error_response", "running_simulator", "start_runner"]
 
 
 def _closed(request: web.Request) -> bool:
@@ -107,29 +94,6 @@ async def _wait_disconnect(request: web.Request) -> None:
         await asyncio.sleep(0.05)
 
 
-def _int_field(body: dict[str, Any], *names: str) -> int | None:
-    for name in names:
-        v = body.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise _BadRequest(f"{name} must be a positive integer", name)
-        return v
-    return None
-
-
-def _completion_prompt(prompt: Any) -> list[int]:
-    if isinstance(prompt, str):
-        return encode(prompt)
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if len(prompt) == 1:
-            return _completion_prompt(prompt[0])
-        raise _BadRequest("batched prompts are not supported by the simulator", "prompt")
-    raise _BadRequest("prompt must be a string, a list of token ids or a one-element list", "prompt")
-
-
 class _Handlers:
     def __init__(self, state: SimState) -> None:
         self.s = state
@@ -139,19 +103,7 @@ class _Handlers:
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        cfg = self.s.config
-        data = [
-            {
-                "id": cfg.model,
-                "object": "model",
-                "created": 0,
-                "owned_by": cfg.engine,
-                "root": cfg.model,
-                "parent": None,
-                "max_model_len": cfg.kv_blocks * cfg.block_size,
-            }
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return json_response(models_body(self.s.config))
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.s.metrics.registry)
@@ -207,36 +159,10 @@ class _Handlers:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         cfg = self.s.config
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return error_response(400, "request body is not valid JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", "BadRequestError")
-        model = body.get("model")
-        if model != cfg.model:
-            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        try:
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages:
-                    raise _BadRequest("messages must be a non-empty list", "messages")
-                try:
-                    tokens = encode_chat(messages)
-                except ValueError as e:
-                    raise _BadRequest(str(e), "messages") from None
-                max_tokens = _int_field(body, "max_completion_tokens", "max_tokens")
-            else:
-                tokens = _completion_prompt(body.get("prompt"))
-                max_tokens = _int_field(body, "max_tokens")
-            stream_options = body.get("stream_options") or {}
-            if not isinstance(stream_options, dict):
-                raise _BadRequest("stream_options must be an object", "stream_options")
-        except _BadRequest as e:
-            return error_response(400, str(e), "BadRequestError", e.param)
-        if not tokens:
-            return error_response(400, "prompt is empty", "BadRequestError", "prompt")
-        stream = bool(body.get("stream", False))
-        include_usage = bool(stream_options.get("include_usage", False))
+            parsed = parse_request(parse_body(await request.read()), chat, cfg)
+        except Rejected as e:
+            return e.response
+        body, tokens = parsed.body, parsed.tokens
 
         fault = self.s.fault
         if fault.mode == "error":
@@ -244,7 +170,7 @@ class _Handlers:
         if fault.mode == "hang":
             await _wait_disconnect(request)
             raise asyncio.CancelledError  # nobody is listening any more
-        if fault.mode == "drop" and not stream:
+        if fault.mode == "drop" and not parsed.stream:
             if request.transport is not None:
                 request.transport.close()
             raise asyncio.CancelledError
@@ -253,96 +179,57 @@ class _Handlers:
         seed = xxhash.xxh32_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens[-64:]), seed=cfg.seed)
         if isinstance(body.get("seed"), int):
             seed ^= body["seed"] & 0xFFFFFFFF
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            return error_response(400, "priority must be an integer", "BadRequestError", "priority")
-        if priority != 0 and cfg.scheduling_policy != "priority":
-            # vLLM's answer when a client sends a priority the engine was not started for.
-            return error_response(
-                400,
-                f"Got priority {priority} but Priority scheduling is not enabled.",
-                "BadRequestError",
-                "priority",
-            )
+        # vLLM 0.32 takes `priority` whatever the policy; only the priority scheduler reads it.
         req = SimRequest(
-            tokens,
-            max_tokens or cfg.default_max_tokens,
-            seed=seed,
-            external_tokens=external,
-            priority=priority,
+            tokens, parsed.max_tokens, seed=seed, external_tokens=external, priority=parsed.priority
         )
         try:
             self.s.engine.add_request(req)
-        except (RequestTooLong, ValueError) as e:
+        except EngineStopped as e:
+            return error_response(503, str(e), "ServiceUnavailableError")
+        except (RequestTooLong, ValueError) as e:  # a KV cache smaller than max_model_len: sim only
             return error_response(400, str(e), "BadRequestError", "max_tokens")
         try:
-            if stream:
-                return await self._stream(request, req, chat, include_usage)
-            return await self._complete(request, req, chat, body, pd_kind, room)
+            if parsed.stream:
+                return await self._stream(request, req, chat, parsed.include_usage)
+            return await self._complete(request, req, chat, pd_kind, room)
         except (_Disconnected, ConnectionError):
             raise asyncio.CancelledError from None
         finally:
             if req.status != FINISHED:
                 self.s.engine.abort(req)
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
-        completion = req.num_output_tokens
-        return {
-            "prompt_tokens": req.num_prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": req.num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": max(0, req.num_cached_tokens)},
-        }
+    def _usage(self, req: SimRequest, chat: bool, streaming: bool) -> dict[str, Any]:
+        return usage_body(
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            max(0, req.num_cached_tokens),
+            req.num_created_cache_tokens,
+            chat=chat,
+            streaming=streaming,
+        )
 
     async def _complete(
-        self, request: web.Request, req: SimRequest, chat: bool, body: dict[str, Any], pd_kind: str, room: Any
+        self, request: web.Request, req: SimRequest, chat: bool, pd_kind: str, room: Any
     ) -> web.Response:
         parts: list[str] = []
         while (ev := await _next_event(req, request)) is not None:
             parts.append(ev)
         if req.status != FINISHED:
             raise _Disconnected
-        text = "".join(parts)
-        created = int(time.time())
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": req.finish_reason,
-                "stop_reason": None,
-            }
-            out: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": req.finish_reason,
-                "stop_reason": None,
-            }
-            out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
-        out.update(created=created, model=self.s.config.model, choices=[choice], usage=self._usage(req))
-        out["kv_transfer_params"] = self._pd_finish(req, pd_kind, room)
-        return web.json_response(out, dumps=_dumps)
+        kv_params = self._pd_finish(req, pd_kind, room)
+        use = self._usage(req, chat, streaming=False)
+        return json_response(
+            completion_body(self.s.config, "".join(parts), req.finish_reason, use, kv_params, chat)
+        )
 
     async def _stream(
         self, request: web.Request, req: SimRequest, chat: bool, include_usage: bool
     ) -> web.StreamResponse:
-        cfg = self.s.config
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "Connection": "keep-alive",
-            }
-        )
+        # vLLM (uvicorn) sends no Cache-Control and no Connection header on its streams.
+        resp = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         await resp.prepare(request)
-        created = int(time.time())
-        if chat:
-            rid, obj = f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk"
-        else:
-            rid, obj = f"cmpl-{uuid.uuid4().hex}", "text_completion"
+        chunks = ChunkWriter(self.s.config, chat)
         fault = self.s.fault
         drop_after = fault.after_chunks if fault.mode == "drop" else -1
         sent = 0
@@ -356,36 +243,22 @@ class _Handlers:
             await resp.write(f"data: {payload}\n\n".encode())
             sent += 1
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return _dumps(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": cfg.model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
-
-        def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-
         if chat:
-            await send(chunk([choice(None, None, role=True)]))
+            await send(chunks.role())
+        finished = False
         ev = await _next_event(req, request)
         while ev is not None:
             nxt = await _next_event(req, request)
-            finish = req.finish_reason if nxt is None and req.status == FINISHED else None
-            await send(chunk([choice(ev, finish)]))
+            finished = nxt is None and req.status == FINISHED
+            finish = req.finish_reason if finished else None
+            await send(chunks.token(ev, finish, last=finished and not include_usage))
             ev = nxt
         if req.status != FINISHED:
             raise _Disconnected
+        if not finished:  # ended with no token pending (an abort at shutdown): close the choice
+            await send(chunks.token("", req.finish_reason, last=not include_usage))
         if include_usage:
-            await send(chunk([], usage=self._usage(req)))
+            await send(chunks.usage(self._usage(req, chat, streaming=True)))
         await send("[DONE]")
         await resp.write_eof()
         return resp
@@ -514,6 +387,8 @@ class _Handlers:
     def _pd_finish(self, req: SimRequest, kind: str, room: Any) -> dict[str, Any] | None:
         if kind not in ("nixl_prefill", "room_prefill") or self.s.fault.mode == "no_transfer":
             return None
+        if req.finish_reason == "abort":  # ended by shutdown: no KV worth handing over
+            return None
         cfg = self.s.config
         rec = PrefillRecord(
             engine_id=self.s.engine_id,
@@ -574,6 +449,16 @@ def build_app(config: SimConfig) -> web.Application:
             await state.client.close()
 
     app.cleanup_ctx.append(lifecycle)
+
+    async def end_in_flight(app: web.Application) -> None:
+        """Runs once the sites are closed (new connections already refused), before aiohttp
+        waits for the handlers: let in-flight requests run for shutdown_timeout_s, then end
+        the rest with finish_reason "abort" so every client gets its answer at once."""
+        engine.close_admission()
+        await engine.drain(config.shutdown_timeout_s)
+        await engine.shutdown()
+
+    app.on_shutdown.append(end_in_flight)
     return app
 
 
@@ -591,6 +476,9 @@ class RunningSimulator:
         return self.app[STATE_KEY]
 
 
+_HANDLER_GRACE_S = 5.0
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -602,7 +490,10 @@ async def start_runner(config: SimConfig) -> tuple[web.AppRunner, RunningSimulat
     if config.port == 0:
         config.port = _free_port(config.host)
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Handlers still running this long after the engine ended their requests (a client that
+    # stopped reading, a hung fault) are cancelled: shutdown stays bounded.
+    grace = config.shutdown_timeout_s + _HANDLER_GRACE_S
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     await site.start()
