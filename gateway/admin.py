@@ -21,13 +21,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.config import EndpointConfig
+from gateway.config import ConfigError, EndpointConfig
 from gateway.endpoints.membership import ADMIN_SOURCE
 from gateway.errors import error_response
 from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
 
-__all__ = ["add_admin_routes", "endpoint_row"]
+__all__ = ["add_admin_routes", "admin_refusal", "endpoint_row"]
 
 
 def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[st
     }
 
 
-def _unauthorized(state: GatewayState, request: web.Request) -> web.Response | None:
+def admin_refusal(state: GatewayState, request: web.Request) -> web.Response | None:
     expected = state.config.auth.admin_key_sha256
     if not expected:
         return error_response(404, f"Unknown path {request.path}", "invalid_request_error", "not_found")
@@ -96,7 +96,7 @@ def _target(state: GatewayState, request: web.Request, body: dict[str, Any]) -> 
 def _admin(handler):
     async def guarded(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
-        refusal = _unauthorized(state, request)
+        refusal = admin_refusal(state, request)
         if refusal is not None:
             return refusal
         if request.method != "GET" and state.config.server.workers > 1:
@@ -129,6 +129,10 @@ async def list_endpoints(state: GatewayState, request: web.Request) -> web.Respo
 @_admin
 async def add_endpoint(state: GatewayState, request: web.Request) -> web.Response:
     body = await _json_body(request)
+    if "api_key_file" in body:
+        # The caller picks the URL: reading a local file into its Authorization header would
+        # hand any file the gateway can read (service-account token, keys) to that caller.
+        raise _BadRequest("api_key_file is not accepted here; give api_key, or use the config file")
     try:
         config = EndpointConfig.model_validate(body)
     except ValidationError as exc:
@@ -142,7 +146,10 @@ async def add_endpoint(state: GatewayState, request: web.Request) -> web.Respons
         return error_response(
             409, f"endpoint {config.url} already exists (from {owner})", "invalid_request_error", "conflict"
         )
-    state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
+    try:
+        state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
+    except ConfigError as exc:
+        raise _BadRequest(str(exc)) from None
     endpoint = state.registry.get(config.url)
     assert endpoint is not None
     return web.json_response(endpoint_row(state, endpoint, time.monotonic()), status=201)

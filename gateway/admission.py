@@ -29,7 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.saturation import SaturationDetector
 from gateway.types import Endpoint, InferenceRequest
 
-__all__ = ["AdmissionController", "RateLimited", "Ticket"]
+__all__ = ["AdmissionController", "RateLimited", "Ticket", "rewrite_body"]
 
 _PRIORITIES = ("critical", "standard", "sheddable")
 
@@ -95,7 +95,7 @@ class AdmissionController:
         if engine_priority and engine_priority.get(request.priority, 0) and "priority" not in request.body:
             # Inside the engine too, critical work must not wait behind admitted bulk work.
             request.body["priority"] = engine_priority[request.priority]
-            _rewrite(request)
+            rewrite_body(request)
         return ticket
 
     async def _admit(self, request: InferenceRequest) -> Ticket:
@@ -232,7 +232,8 @@ class AdmissionController:
             )
 
 
-def _rewrite(request: InferenceRequest) -> None:
+def rewrite_body(request: InferenceRequest) -> None:
+    """Re-serialise ``request.body`` after the gateway changed it (the proxy sends ``raw_body``)."""
     request.raw_body = json.dumps(request.body, separators=(",", ":")).encode()
 
 
@@ -242,12 +243,12 @@ def _clamp_max_tokens(request: InferenceRequest, ceiling: int) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool) and value <= ceiling:
         return None
     request.body[key] = ceiling
-    _rewrite(request)
+    rewrite_body(request)
     return f"{key}={ceiling}"
 
 
 def _switch_model(request: InferenceRequest, model: str) -> str:
     request.body["model"] = model
     request.model = model
-    _rewrite(request)
+    rewrite_body(request)
     return f"model={model}"

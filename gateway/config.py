@@ -241,8 +241,8 @@ class ResilienceConfig(_Strict):
     stall_s: float = Field(
         1.5,
         gt=0,
-        description="requests waiting this long for a first byte while the engine does not"
-        " count them (or its metrics went stale and nothing progressed) mark the endpoint stalled",
+        description="requests waiting this long for a first byte that the engine's fresh metrics"
+        " do not count mark the endpoint stalled",
     )
     check_interval_s: float = Field(0.25, gt=0, description="how often ejections and stalls are reviewed")
 

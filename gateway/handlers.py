@@ -9,7 +9,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.access_log import INFERENCE_REQUEST
-from gateway.admin import endpoint_row
+from gateway.admin import admin_refusal, endpoint_row
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
 from gateway.openapi import serve_openapi
@@ -41,11 +41,14 @@ def _inference_handler(api: ApiKind) -> Handler:
             auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
             decision, charged = await auth.limit(tenant, request)
             limit_headers = decision.headers()
+        failed = True
         try:
-            return await _route(state, http_request, request, limit_headers)
+            response = await _route(state, http_request, request, limit_headers)
+            failed = response.status >= 400
+            return response
         finally:
             if tenant is not None:
-                auth.settle_later(tenant, charged, request)
+                auth.settle_later(tenant, charged, request, failed)
 
     return handle
 
@@ -118,6 +121,10 @@ async def metrics(http_request: web.Request) -> web.Response:
 async def endpoints_status(http_request: web.Request) -> web.Response:
     """Read-only view of what the gateway believes about each endpoint (debugging aid)."""
     state = http_request.app[STATE]
+    if state.auth is not None:  # with auth on, fleet internals are for the admin key only
+        refusal = admin_refusal(state, http_request)
+        if refusal is not None:
+            return refusal
     now = time.monotonic()
     return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 

@@ -320,8 +320,10 @@ class Proxy:
             self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
             raise
         finally:
-            if self._breakers is not None and verdict is not None:
-                if verdict == "ok":
+            if self._breakers is not None:
+                if verdict is None:
+                    self._breakers.release_probe(endpoint)  # no verdict: let another request probe
+                elif verdict == "ok":
                     self._breakers.on_success(endpoint)
                 else:
                     self._breakers.on_failure(endpoint, verdict)
@@ -350,7 +352,9 @@ class Proxy:
                 if self._breakers is None:
                     return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
                 with self._breakers.first_byte_wait(endpoint, limit) as wait:
-                    return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
+                    return await self._client.post(
+                        endpoint.url, request.api.upstream_path, body, headers, on_slot=wait.restart
+                    )
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
                 raise _Retryable(wait.aborted) from None  # ejected while we waited: re-send elsewhere

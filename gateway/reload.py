@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gateway.auth.keyfile import KeyFileError, load_keys_file
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.endpoints.membership import CONFIG_SOURCE
 from gateway.endpoints.registry import upstream_auth_header
@@ -32,7 +33,7 @@ __all__ = ["RESTART_ONLY", "ConfigReloader", "apply_config"]
 log = logging.getLogger(__name__)
 
 RESTART_ONLY = ("server", "prefix", "sessions", "pd", "discovery")
-_AUTH_RESTART_ONLY = ("backend", "redis_url", "key_prefix", "limits_backend", "enabled")
+_AUTH_RESTART_ONLY = ("backend", "redis_url", "key_prefix", "limits_backend", "enabled", "keys_file")
 
 
 def _keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> GatewayConfig:
@@ -62,6 +63,11 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
     scheduler = build_scheduler(new, state.plugin_registry, state.plugin_context)
     for endpoint in new.endpoints:
         upstream_auth_header(endpoint)  # an unreadable token file rejects the whole reload
+    if state.auth is not None and new.auth.backend == "file" and new.auth.keys_file:
+        try:
+            load_keys_file(new.auth.keys_file)  # checked now; applied with everything else below
+        except KeyFileError as exc:
+            raise ConfigError(f"auth.keys_file: {exc}") from None
     if not new.endpoints and not new.discovery.kubernetes and not new.discovery.dns:
         raise ConfigError("endpoints: a reload may not remove every endpoint")
 
@@ -100,6 +106,7 @@ class ConfigReloader:
         self._overrides = overrides or {}
         self._digest = self._read_digest()
         self._tasks: set[asyncio.Task[str]] = set()
+        self._lock = asyncio.Lock()  # a SIGHUP during a watch-triggered reload waits its turn
 
     def reload_soon(self) -> None:
         """For the SIGHUP handler: reload in a task (signal handlers cannot await)."""
@@ -115,6 +122,10 @@ class ConfigReloader:
 
     async def reload(self) -> str:
         """Returns ``applied``, ``rejected`` or ``unchanged`` (also counted in /metrics)."""
+        async with self._lock:
+            return await self._reload()
+
+    async def _reload(self) -> str:
         metrics = self._state.metrics
         self._digest = self._read_digest()
         try:
@@ -138,8 +149,11 @@ class ConfigReloader:
         and the API keys file, which a mounted Secret updates on its own schedule."""
         while True:
             await asyncio.sleep(interval_s)
-            digest = self._read_digest()
-            if digest is not None and digest != self._digest:
-                await self.reload()
-            elif self._state.auth is not None:
-                self._state.auth.reload_keys_if_changed()  # a Secret update swaps the file in place
+            try:
+                digest = self._read_digest()
+                if digest is not None and digest != self._digest:
+                    await self.reload()
+                elif self._state.auth is not None:
+                    self._state.auth.reload_keys_if_changed()  # a Secret update swaps the file in place
+            except Exception:  # e.g. a third-party plugin failing oddly: keep watching
+                log.exception("config watch: reload failed; the running config stays")

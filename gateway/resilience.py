@@ -14,10 +14,11 @@ Breaker states, per endpoint (Envoy's outlier detection with a half-open probe):
 
 A replica that accepts requests and never answers (hung engine, lost requests) shows
 no failure at all until a timeout of minutes, so *stalls* are detected too: requests
-waiting ``stall_s`` for their first byte that the engine's own fresh metrics do not
-count (or, with stale metrics, no first byte at all from it meanwhile). Ejecting an
-endpoint cuts those waits short, so the proxy re-sends them elsewhere before any byte
-reached the client.
+waiting ``stall_s`` for their first byte (timed from when they left the gateway's own
+connection pool) that the engine's own fresh metrics do not count. Without fresh
+metrics nothing is judged a stall — a long prefill looks the same — and health checks
+decide. Ejecting an endpoint cuts those waits short, so the proxy re-sends them
+elsewhere before any byte reached the client.
 
 ``max_ejected_fraction`` keeps a fleet-wide problem (every replica overloaded) from
 ejecting everything: failures are then passed through rather than turned into 503s.
@@ -108,6 +109,10 @@ class FirstByteWait:
     timeout: asyncio.Timeout
     aborted: str | None = None
 
+    def restart(self) -> None:
+        """The request only now left the gateway's own connection pool: time the endpoint from here."""
+        self.started = time.monotonic()
+
     def abort(self, reason: str) -> None:
         if self.aborted is None and not self.timeout.expired():
             self.aborted = reason
@@ -158,7 +163,13 @@ class CircuitBreakers:
         return breaker
 
     def state(self, endpoint: Endpoint) -> BreakerState:
-        return self._get(endpoint).state
+        breaker = self._breakers.get(endpoint.url)
+        return breaker.state if breaker is not None else BreakerState.CLOSED
+
+    def _current(self, endpoint: Endpoint) -> bool:
+        """Still this object in the fleet? Outcomes of requests to removed endpoints are dropped,
+        so a reused address does not inherit a dead replica's breaker."""
+        return self._registry.get(endpoint.url) is endpoint
 
     def forget(self, url: str) -> None:
         """The endpoint left the fleet (discovery, admin): drop its breaker."""
@@ -166,13 +177,26 @@ class CircuitBreakers:
 
     # ---- outcomes reported by the proxy ------------------------------------------
     def on_send(self, endpoint: Endpoint) -> None:
+        if not self._current(endpoint):
+            return
         breaker = self._get(endpoint)
         if breaker.state is BreakerState.HALF_OPEN and not breaker.probing:
             breaker.probing = True  # this request is the probe; others wait for its verdict
             endpoint.ejected = True
             self._registry.rebuild()
 
+    def release_probe(self, endpoint: Endpoint) -> None:
+        """The probe ended with no verdict (client gone, prefill partner failed): allow another."""
+        breaker = self._breakers.get(endpoint.url)
+        if breaker is not None and breaker.state is BreakerState.HALF_OPEN and breaker.probing:
+            breaker.probing = False
+            if self._current(endpoint):
+                endpoint.ejected = False
+                self._registry.rebuild()
+
     def on_success(self, endpoint: Endpoint) -> None:
+        if not self._current(endpoint):
+            return
         breaker = self._get(endpoint)
         breaker.window_ok.add(time.monotonic())
         breaker.consecutive_failures = 0
@@ -184,6 +208,8 @@ class CircuitBreakers:
             self._registry.rebuild()
 
     def on_failure(self, endpoint: Endpoint, reason: str) -> None:
+        if not self._current(endpoint):
+            return
         now = time.monotonic()
         breaker = self._get(endpoint)
         breaker.window_failed.add(now)
@@ -203,8 +229,11 @@ class CircuitBreakers:
     # ---- first-byte waits (stall detection, early abort on ejection) --------------
     @contextmanager
     def first_byte_wait(self, endpoint: Endpoint, timeout: asyncio.Timeout) -> Iterator[FirstByteWait]:
-        breaker = self._get(endpoint)
         wait = FirstByteWait(time.monotonic(), timeout)
+        if not self._current(endpoint):
+            yield wait  # removed from the fleet: nothing to judge any more
+            return
+        breaker = self._get(endpoint)
         breaker.waits.add(wait)
         try:
             yield wait
@@ -212,7 +241,9 @@ class CircuitBreakers:
             breaker.waits.discard(wait)
 
     def on_first_byte(self, endpoint: Endpoint) -> None:
-        self._get(endpoint).last_first_byte = time.monotonic()
+        breaker = self._breakers.get(endpoint.url)
+        if breaker is not None:
+            breaker.last_first_byte = time.monotonic()
 
     def abort_waits(self, endpoint: Endpoint, reason: str) -> int:
         """Cut short every request waiting for this endpoint's first byte (they get re-sent)."""
@@ -254,7 +285,7 @@ class CircuitBreakers:
             peers = [e for e in self._registry if (model in e.models or not model)]
             if len(peers) < 2:
                 return False
-            out = sum(1 for e in peers if e.ejected)
+            out = sum(1 for e in peers if e.ejected or not e.healthy or e.draining)
             if out + 1 > max(1, int(self._config.max_ejected_fraction * len(peers))):
                 return False
         return True
@@ -292,16 +323,17 @@ class CircuitBreakers:
         if not stuck:
             return False
         engine = endpoint.metrics
-        if engine.fresh():
-            # Only requests sent before the last scrape was even started can be expected in it.
-            asked_after = engine.scraped_at - self._scrape_timeout_s
-            known = [w for w in stuck if w.started < asked_after]
-            if not known:
-                return False
-            counted = (engine.running or 0) + (engine.waiting or 0)
-            return counted < len(known)  # the engine does not know requests we are waiting on
-        oldest = min(w.started for w in stuck)
-        return breaker.last_first_byte < oldest  # no numbers to trust: did anything progress?
+        if not engine.fresh():
+            # No numbers to trust: a long prefill or a non-streamed generation looks exactly
+            # like a hang from here. Health checks (and their timeouts) judge this endpoint.
+            return False
+        # Only requests sent before the last scrape was even started can be expected in it.
+        asked_after = engine.scraped_at - self._scrape_timeout_s
+        known = [w for w in stuck if w.started < asked_after]
+        if not known:
+            return False
+        counted = (engine.running or 0) + (engine.waiting or 0)
+        return counted < len(known)  # the engine does not know requests we are waiting on
 
     async def run(self) -> None:
         while True:

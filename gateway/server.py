@@ -25,9 +25,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.reload import ConfigReloader
-from gateway.state import STATE
+from gateway.state import STATE, GatewayState
 
 __all__ = ["ReloadSource", "install_uvloop", "serve", "start_site"]
 
@@ -107,6 +107,10 @@ async def _serve_one(config: GatewayConfig, reuse_port: bool, reload: ReloadSour
         reloader = ConfigReloader(state, reload.path, reload.overrides)
         loop.add_signal_handler(signal.SIGHUP, reloader.reload_soon)
         tasks.append(asyncio.create_task(reloader.watch(reload.watch_interval_s), name="config-watch"))
+    else:  # no file to re-read, but SIGHUP must not kill the process; the keys file still reloads
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload_keys(state))
+        if state.auth is not None:
+            tasks.append(asyncio.create_task(_watch_keys(state), name="keys-watch"))
     log.info(
         "llm-gateway pid %d listening on http://%s:%d (%d endpoints)",
         os.getpid(),
@@ -123,6 +127,23 @@ async def _serve_one(config: GatewayConfig, reuse_port: bool, reload: ReloadSour
         task.cancel()
     await runner.cleanup()  # stops accepting, waits for in-flight handlers up to shutdown_timeout_s
     log.info("stopped")
+
+
+def _reload_keys(state: GatewayState) -> None:
+    if state.auth is None:
+        log.info("SIGHUP: started without --config and without auth: nothing to reload")
+        return
+    try:
+        state.auth.reconfigure(state.config.auth)
+        log.warning("SIGHUP: API keys reloaded")
+    except ConfigError as exc:
+        log.error("SIGHUP: keys file rejected, the previous keys stay: %s", exc)
+
+
+async def _watch_keys(state: GatewayState, interval_s: float = 2.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        state.auth.reload_keys_if_changed()
 
 
 def _worker_main(config: GatewayConfig, log_level: str, reload: ReloadSource | None) -> None:

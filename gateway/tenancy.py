@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from gateway.admission import RateLimited
+from gateway.admission import RateLimited, rewrite_body
 from gateway.auth import (
     KeyFileError,
     KeyStore,
@@ -131,6 +131,11 @@ class TenantAuth:
             request.priority = tenant.priority  # a header may lower the tenant's priority, never raise it
         if not tenant.debug:
             request.debug = False
+        if "priority" in request.body:
+            # The engines' own priority scheduling reads this field: a tenant must not raise
+            # itself there either. admission.engine_priority sets it from the clamped class.
+            del request.body["priority"]
+            rewrite_body(request)
 
     async def limit(self, tenant: Tenant, request: InferenceRequest) -> tuple[LimitDecision, int]:
         """Take from the tenant's buckets; raise 429 if empty. Returns the decision and tokens charged."""
@@ -147,15 +152,17 @@ class TenantAuth:
             )
         return decision, charged
 
-    def settle_later(self, tenant: Tenant, charged: int, request: InferenceRequest) -> None:
-        """Correct the token bucket with the real usage, off the response path."""
+    def settle_later(self, tenant: Tenant, charged: int, request: InferenceRequest, failed: bool) -> None:
+        """Correct the token bucket with the real usage, off the response path.
+
+        A failed request with no usage is refunded in full (no engine did work for it); a
+        successful one without usage keeps its up-front charge.
+        """
         usage = request.attributes.get("usage")
-        if not charged or usage is None:
+        if not charged or (usage is None and not failed):
             return
-        prompt, completion = usage
-        task = asyncio.get_running_loop().create_task(
-            self.limiter.settle(tenant, charged, prompt + completion)
-        )
+        actual = sum(usage) if usage is not None else 0
+        task = asyncio.get_running_loop().create_task(self.limiter.settle(tenant, charged, actual))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -340,9 +340,18 @@ class UpstreamClient:
         return prefix
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        on_slot: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
-        """Send the request; return once the response status and headers have arrived."""
+        """Send the request; return once the response status and headers have arrived.
+
+        ``on_slot`` runs once a connection slot is held (waiting in the gateway's own pool
+        is not the endpoint's slowness).
+        """
         pool = self._pool(base_url)
         head = [self._request_prefix(base_url, path)]
         for name, value in headers.items():
@@ -352,6 +361,8 @@ class UpstreamClient:
         slot = pool.slots
         if slot is not None:
             await slot.acquire()  # held until the response is released or closed
+        if on_slot is not None:
+            on_slot()
         try:
             response = await self._send(pool, request)
         except BaseException:

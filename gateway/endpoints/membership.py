@@ -53,29 +53,43 @@ class FleetMembership:
         return list(self._sources.get(source, {}).values())
 
     def apply(self, source: str, endpoints: Iterable[EndpointConfig]) -> tuple[list[str], list[str]]:
-        """Replace ``source``'s list; returns (added URLs, removed URLs)."""
-        self._sources[source] = {e.url: e for e in endpoints}
-        wanted: dict[str, tuple[str, EndpointConfig]] = {}
-        for name in sorted(self._sources, key=lambda s: (_PRECEDENCE.get(s, 2), s)):
-            for url, cfg in self._sources[name].items():
-                wanted.setdefault(url, (name, cfg))
+        """Replace ``source``'s list; returns (added URLs, removed URLs).
 
+        Every new ``Endpoint`` is built before anything changes, so a bad entry (an
+        unreadable token file) raises ``ConfigError`` and leaves the fleet as it was. An
+        endpoint whose URL stays but whose config changed is replaced in place, keeping
+        what the gateway knows about it (health, scraped load, drain state).
+        """
+        sources = {**self._sources, source: {e.url: e for e in endpoints}}
+        wanted: dict[str, tuple[str, EndpointConfig]] = {}
+        for name in sorted(sources, key=lambda s: (_PRECEDENCE.get(s, 2), s)):
+            for url, cfg in sources[name].items():
+                wanted.setdefault(url, (name, cfg))
+        built = {
+            url: endpoint_from_config(cfg)
+            for url, (_, cfg) in wanted.items()
+            if url not in self._owner or self._owner[url][1] != cfg
+        }
+
+        self._sources = sources
         removed: list[Endpoint] = []
         added: list[Endpoint] = []
-        for url, (_, cfg) in list(self._owner.items()):
-            if url not in wanted or wanted[url][1] != cfg:
-                endpoint = self._registry.remove(url, rebuild=False)
-                if endpoint is not None:
-                    removed.append(endpoint)
-                del self._owner[url]
-        for url, (name, cfg) in wanted.items():
-            if url not in self._owner:
-                endpoint = endpoint_from_config(cfg)
-                self._registry.add(endpoint, rebuild=False)
+        for url in [u for u in self._owner if u not in wanted]:
+            endpoint = self._registry.remove(url, rebuild=False)
+            if endpoint is not None:
+                removed.append(endpoint)
+            del self._owner[url]
+        for url, endpoint in built.items():
+            previous = self._registry.get(url) if url in self._owner else None
+            if previous is not None:
+                _carry_over(previous, endpoint)
+            else:
                 added.append(endpoint)
-                self._owner[url] = (name, cfg)
-        if added or removed:
+            self._registry.add(endpoint, rebuild=False)
+            self._owner[url] = wanted[url]
+        if built or removed:
             self._registry.rebuild()
+        if added or removed:
             log.info(
                 "fleet change from %s: +%s -%s",
                 source,
@@ -87,3 +101,14 @@ class FleetMembership:
             if added and self.on_added is not None:
                 self.on_added(added)
         return [e.url for e in added], [e.url for e in removed]
+
+
+def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
+    """Same replica, new settings: what was observed about it stays true."""
+    endpoint.healthy = previous.healthy
+    endpoint.consecutive_failures = previous.consecutive_failures
+    endpoint.consecutive_successes = previous.consecutive_successes
+    endpoint.discovered_models = previous.discovered_models
+    endpoint.metrics = previous.metrics
+    endpoint.draining = previous.draining
+    endpoint.ejected = previous.ejected
