@@ -351,7 +351,7 @@ class Proxy:
             async with asyncio.timeout_at(self._wait_limit(attempt, self._timeouts.first_byte_s)) as limit:
                 if self._breakers is None:
                     return await self._client.post(endpoint.url, request.api.upstream_path, body, headers)
-                with self._breakers.first_byte_wait(endpoint, limit) as wait:
+                with self._breakers.first_byte_wait(endpoint, limit, queued=True) as wait:
                     return await self._client.post(
                         endpoint.url, request.api.upstream_path, body, headers, on_slot=wait.restart
                     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -228,8 +229,12 @@ class CircuitBreakers:
 
     # ---- first-byte waits (stall detection, early abort on ejection) --------------
     @contextmanager
-    def first_byte_wait(self, endpoint: Endpoint, timeout: asyncio.Timeout) -> Iterator[FirstByteWait]:
-        wait = FirstByteWait(time.monotonic(), timeout)
+    def first_byte_wait(
+        self, endpoint: Endpoint, timeout: asyncio.Timeout, *, queued: bool = False
+    ) -> Iterator[FirstByteWait]:
+        """Track a wait for the endpoint's first byte. ``queued``: the request may still sit in the
+        gateway's own connection pool; its clock starts at ``restart()`` (never stuck before)."""
+        wait = FirstByteWait(math.inf if queued else time.monotonic(), timeout)
         if not self._current(endpoint):
             yield wait  # removed from the fleet: nothing to judge any more
             return
