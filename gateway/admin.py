@@ -21,13 +21,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.config import ConfigError, EndpointConfig
+from gateway.config import ConfigError, EndpointConfig, format_validation_error
 from gateway.endpoints.membership import ADMIN_SOURCE
-from gateway.errors import error_response
+from gateway.errors import BadRequest, Conflict, NotFound, Unauthorized
 from gateway.state import STATE, GatewayState
 from gateway.types import Endpoint
 
-__all__ = ["add_admin_routes", "admin_refusal", "endpoint_row"]
+__all__ = ["add_admin_routes", "endpoint_row", "require_admin_key"]
 
 
 def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[str, Any]:
@@ -52,10 +52,11 @@ def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[st
     }
 
 
-def admin_refusal(state: GatewayState, request: web.Request) -> web.Response | None:
+def require_admin_key(state: GatewayState, request: web.Request) -> None:
+    """404 when no admin key is configured (closed, as if absent); 401 for a missing or wrong key."""
     expected = state.config.auth.admin_key_sha256
     if not expected:
-        return error_response(404, f"Unknown path {request.path}", "invalid_request_error", "not_found")
+        raise NotFound(f"Unknown path {request.path}")
     given = request.headers.get("x-admin-key", "")
     authorization = request.headers.get("authorization", "")
     if authorization[:7].lower() == "bearer ":
@@ -63,59 +64,45 @@ def admin_refusal(state: GatewayState, request: web.Request) -> web.Response | N
     digest = hashlib.sha256(given.encode()).hexdigest()
     if not given or not hmac.compare_digest(digest, expected.lower()):
         state.metrics.auth_failures.labels("admin_key").inc()
-        return error_response(
-            401, "a valid admin key is required", "authentication_error", "invalid_admin_key"
-        )
-    return None
+        raise Unauthorized("a valid admin key is required", code="invalid_admin_key")
+
+
+def _bad(message: str) -> BadRequest:
+    return BadRequest(message, code="invalid_admin_request")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read() or b"{}")
     except (ValueError, UnicodeDecodeError):
-        raise _BadRequest("request body must be valid JSON") from None
+        raise _bad("request body must be valid JSON") from None
     if not isinstance(body, dict):
-        raise _BadRequest("request body must be a JSON object")
+        raise _bad("request body must be a JSON object")
     return body
-
-
-class _BadRequest(Exception):
-    pass
 
 
 def _target(state: GatewayState, request: web.Request, body: dict[str, Any]) -> Endpoint:
     url = body.get("url", request.query.get("url"))
     if not isinstance(url, str) or not url:
-        raise _BadRequest("give the endpoint's url (body field or ?url=)")
+        raise _bad("give the endpoint's url (body field or ?url=)")
     endpoint = state.registry.get(url.rstrip("/"))
     if endpoint is None:
-        raise LookupError(url)
+        raise NotFound(f"no endpoint {url!r}", code="endpoint_not_found")
     return endpoint
 
 
 def _admin(handler):
     async def guarded(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
-        refusal = admin_refusal(state, request)
-        if refusal is not None:
-            return refusal
+        require_admin_key(state, request)
         if request.method != "GET" and state.config.server.workers > 1:
             # Each worker process has its own fleet view; a change would reach one of them.
-            return error_response(
-                409,
+            raise Conflict(
                 "admin changes need server.workers: 1; with several workers edit the config file"
                 " (reloaded on SIGHUP in every worker) or use discovery",
-                "invalid_request_error",
-                "not_supported_with_workers",
+                code="not_supported_with_workers",
             )
-        try:
-            return await handler(state, request)
-        except _BadRequest as exc:
-            return error_response(400, str(exc), "invalid_request_error", "invalid_admin_request")
-        except LookupError as exc:
-            return error_response(
-                404, f"no endpoint {exc.args[0]!r}", "invalid_request_error", "endpoint_not_found"
-            )
+        return await handler(state, request)
 
     return guarded
 
@@ -132,24 +119,18 @@ async def add_endpoint(state: GatewayState, request: web.Request) -> web.Respons
     if "api_key_file" in body:
         # The caller picks the URL: reading a local file into its Authorization header would
         # hand any file the gateway can read (service-account token, keys) to that caller.
-        raise _BadRequest("api_key_file is not accepted here; give api_key, or use the config file")
+        raise _bad("api_key_file is not accepted here; give api_key, or use the config file")
     try:
         config = EndpointConfig.model_validate(body)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors()
-        )
-        raise _BadRequest(problems) from None
+        raise _bad(format_validation_error(exc)) from None
     owner = state.membership.source_of(config.url)
     if owner is not None:
-        return error_response(
-            409, f"endpoint {config.url} already exists (from {owner})", "invalid_request_error", "conflict"
-        )
+        raise Conflict(f"endpoint {config.url} already exists (from {owner})")
     try:
         state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
     except ConfigError as exc:
-        raise _BadRequest(str(exc)) from None
+        raise _bad(str(exc)) from None
     endpoint = state.registry.get(config.url)
     assert endpoint is not None
     return web.json_response(endpoint_row(state, endpoint, time.monotonic()), status=201)
@@ -178,12 +159,7 @@ async def remove_endpoint(state: GatewayState, request: web.Request) -> web.Resp
     endpoint = _target(state, request, body)
     owner = state.membership.source_of(endpoint.url)
     if owner != ADMIN_SOURCE:
-        return error_response(
-            409,
-            f"endpoint {endpoint.url} comes from {owner}; change that source, or drain it here",
-            "invalid_request_error",
-            "conflict",
-        )
+        raise Conflict(f"endpoint {endpoint.url} comes from {owner}; change that source, or drain it here")
     remaining = [c for c in state.membership.endpoints_of(ADMIN_SOURCE) if c.url != endpoint.url]
     state.membership.apply(ADMIN_SOURCE, remaining)
     row = endpoint_row(state, endpoint, time.monotonic())

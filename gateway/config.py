@@ -30,6 +30,7 @@ __all__ = [
     "ProfileSpec",
     "ResilienceConfig",
     "SessionConfig",
+    "format_validation_error",
     "load_config",
 ]
 
@@ -342,13 +343,14 @@ class GatewayConfig(_Strict):
         return self
 
 
-def _format_validation_error(error: ValidationError) -> str:
+def format_validation_error(error: ValidationError) -> str:
+    """``endpoints.1.role: Input should be …; …`` — key paths and messages, never the offending input."""
     lines = []
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{key}: {message}" if key else message)
-    return "invalid configuration: " + "; ".join(lines)
+    return "; ".join(lines)
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
@@ -414,4 +416,4 @@ def load_config(
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError("invalid configuration: " + format_validation_error(exc)) from None

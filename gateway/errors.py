@@ -13,14 +13,18 @@ from typing import Any
 from aiohttp import web
 
 __all__ = [
+    "AuthUnavailable",
     "BadRequest",
+    "Conflict",
     "EndpointUnavailable",
+    "Forbidden",
     "GatewayError",
     "MethodNotAllowed",
     "ModelNotFound",
     "NoHealthyEndpoint",
     "NotFound",
     "PayloadTooLarge",
+    "Unauthorized",
     "UpstreamError",
     "UpstreamTimeout",
     "error_body",
@@ -75,6 +79,30 @@ class NotFound(GatewayError):
     status = 404
     error_type = "invalid_request_error"
     code = "not_found"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    error_type = "permission_error"
+    code = "model_not_allowed"
+
+
+class Conflict(GatewayError):
+    status = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
+
+
+class AuthUnavailable(GatewayError):
+    status = 503
+    error_type = "server_error"
+    code = "auth_unavailable"
 
 
 class MethodNotAllowed(GatewayError):

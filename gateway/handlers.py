@@ -9,7 +9,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.access_log import INFERENCE_REQUEST
-from gateway.admin import admin_refusal, endpoint_row
+from gateway.admin import endpoint_row, require_admin_key
 from gateway.errors import ModelNotFound, NoHealthyEndpoint
 from gateway.middleware import REQUEST_ID
 from gateway.openapi import serve_openapi
@@ -122,9 +122,7 @@ async def endpoints_status(http_request: web.Request) -> web.Response:
     """Read-only view of what the gateway believes about each endpoint (debugging aid)."""
     state = http_request.app[STATE]
     if state.auth is not None:  # with auth on, fleet internals are for the admin key only
-        refusal = admin_refusal(state, http_request)
-        if refusal is not None:
-            return refusal
+        require_admin_key(state, http_request)
     now = time.monotonic()
     return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 

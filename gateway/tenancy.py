@@ -28,34 +28,16 @@ from gateway.auth import (
 )
 from gateway.auth.keyfile import FileKeyStore
 from gateway.config import AuthConfig, ConfigError
-from gateway.errors import GatewayError
+from gateway.errors import AuthUnavailable, Forbidden, Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.types import InferenceRequest
 
-__all__ = ["AuthUnavailable", "Forbidden", "TenantAuth", "TenantRateLimited", "Unauthorized"]
+__all__ = ["TenantAuth", "TenantRateLimited"]
 
 log = logging.getLogger(__name__)
 
 _RANK = {"critical": 0, "standard": 1, "sheddable": 2}
 _DEFAULT_MAX_TOKENS = 256  # charged when the request names no max_tokens; settled afterwards
-
-
-class Unauthorized(GatewayError):
-    status = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class Forbidden(GatewayError):
-    status = 403
-    error_type = "permission_error"
-    code = "model_not_allowed"
-
-
-class AuthUnavailable(GatewayError):
-    status = 503
-    error_type = "server_error"
-    code = "auth_unavailable"
 
 
 class TenantRateLimited(RateLimited):

@@ -30,7 +30,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.auth.keys import hash_key
-from gateway.auth.tenant import TENANT_NAME_PATTERN, Tenant, TenantSpec, format_validation_error
+from gateway.auth.tenant import TENANT_NAME_PATTERN, Tenant, TenantSpec
+from gateway.config import format_validation_error
 
 __all__ = ["FileKeyStore", "KeyFileError", "load_keys_file"]
 

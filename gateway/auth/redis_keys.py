@@ -32,7 +32,8 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from gateway.auth.keys import KeyStoreUnavailable, hash_key
-from gateway.auth.tenant import Tenant, TenantSpec, format_validation_error
+from gateway.auth.tenant import Tenant, TenantSpec
+from gateway.config import format_validation_error
 from gateway.redis_guard import RedisGuard
 
 __all__ = ["RedisKeyStore", "add_key", "apikey_key", "remove_key", "tenant_key"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["TENANT_NAME_PATTERN", "Priority", "Tenant", "TenantSpec", "format_validation_error"]
+__all__ = ["TENANT_NAME_PATTERN", "Priority", "Tenant", "TenantSpec"]
 
 Priority = Literal["critical", "standard", "sheddable"]
 
@@ -82,13 +82,3 @@ class TenantSpec(BaseModel):
             tokens_per_minute=tenant.tokens_per_minute,
             debug=tenant.debug,
         )
-
-
-def format_validation_error(error: ValidationError) -> str:
-    """``tenants.acme.priority: Input should be …; keys.2.tenant: …`` — never the offending input."""
-    lines = []
-    for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"{key}: {message}" if key else message)
-    return "; ".join(lines)
