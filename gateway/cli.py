@@ -58,8 +58,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from gateway.app import build_app
-    from gateway.server import ReloadSource, serve
+    from gateway.http.app import build_app
+    from gateway.http.server import ReloadSource, serve
 
     overrides = _serve_overrides(args)
     try:
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.demo import add_demo_arguments
 
     add_demo_arguments(commands.add_parser("demo", help="simulated fleet + gateway + load: the comparison"))
-    from gateway.planner import add_plan_arguments
+    from gateway.plan.cli import add_plan_arguments
 
     add_plan_arguments(commands.add_parser("plan", help="size a fleet: GPUs per replica, replicas"))
     return parser
@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _run_serve(args)
     if args.command == "plan":
-        from gateway.planner import run_plan
+        from gateway.plan.cli import run_plan
 
         return run_plan(args)
     if args.command == "sim":
         from loadtest.simulator.cli import run_sim
 
         return run_sim(args)
-    from gateway.server import install_uvloop
+    from gateway.http.server import install_uvloop
 
     install_uvloop()
     if args.command == "bench":

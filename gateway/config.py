@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.request.types import Priority
+
 __all__ = [
     "AdmissionConfig",
     "AuthConfig",
@@ -156,7 +158,7 @@ class AdmissionConfig(_Strict):
     endpoint_max_concurrency: int = Field(0, ge=0, description="per-endpoint in-flight cap; 0 = none")
     retry_after_s: float = Field(1.0, gt=0)
     degrade: DegradeConfig = Field(default_factory=DegradeConfig)
-    engine_priority: dict[Literal["critical", "standard", "sheddable"], int] | None = Field(
+    engine_priority: dict[Priority, int] | None = Field(
         None,
         description="send each class's value as the body's `priority` (vLLM/SGLang priority scheduling;"
         " engines must run with --scheduling-policy priority). Lower is served first in vLLM.",

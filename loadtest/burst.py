@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="prefix-aware")
     parser.add_argument("--out", default="bench-results/burst")
     args = parser.parse_args(argv)
-    from gateway.server import install_uvloop
+    from gateway.http.server import install_uvloop
 
     install_uvloop()
     out = asyncio.run(run(args))

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "sglang-router:cache_aware",
         "vllm-router:cache_aware",
     ]
-    from gateway.server import install_uvloop
+    from gateway.http.server import install_uvloop
 
     install_uvloop()
     asyncio.run(run_compare(args.workload or list(WORKLOADS), targets, Path(args.out), not args.no_progress))

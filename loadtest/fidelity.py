@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--out", default="bench-results/fidelity.json")
     args = parser.parse_args(argv)
-    from gateway.server import install_uvloop
+    from gateway.http.server import install_uvloop
 
     install_uvloop()
     rows = asyncio.run(run(args))

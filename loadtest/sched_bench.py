@@ -23,14 +23,16 @@ import sys
 import time
 import uuid
 
-from gateway.app import build_plugin_context
 from gateway.config import load_config
-from gateway.metrics import GatewayMetrics
-from gateway.parsing import parse_request
+from gateway.fleet.endpoint import Endpoint
+from gateway.http.app import build_plugin_context
+from gateway.http.plugins import default_registry
+from gateway.http.presets import scheduler_specs
+from gateway.ops.metrics import GatewayMetrics
 from gateway.prefix.memory import MemoryPrefixIndex
+from gateway.request.parse import parse_request
+from gateway.request.types import ApiKind
 from gateway.scheduling.build import build_scheduler
-from gateway.scheduling.registry import default_registry
-from gateway.types import ApiKind, Endpoint
 
 __all__ = ["main"]
 
@@ -57,7 +59,7 @@ async def _measure(policy: str, index, endpoints: list[Endpoint], body: bytes, i
     config = load_config(overrides={"policy": policy}, environ={})
     context = build_plugin_context(config, GatewayMetrics(), prefix_index=index)
     prefix = context.prefix
-    scheduler = build_scheduler(config, default_registry(), context)
+    scheduler = build_scheduler(*scheduler_specs(config), default_registry(), context)
     # Warm: the prompt's prefix is cached on 3 of the endpoints, to different depths.
     warm = parse_request(ApiKind.CHAT, body, request_id="warm", headers={})
     hashes = prefix.hashes(warm)

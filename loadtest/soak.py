@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         log_dir=args.log_dir,
     )
-    from gateway.server import install_uvloop
+    from gateway.http.server import install_uvloop
 
     install_uvloop()
     report = asyncio.run(run_soak(opts))

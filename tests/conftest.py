@@ -12,8 +12,8 @@ import pytest
 import uvloop
 
 from loadtest.simulator import RunningSimulator, SimConfig, running_simulator
-from tests.gateway.harness import Gateway, running_gateway
-from tests.gateway.upstreams import Upstream, running_upstream
+from tests.support.harness import Gateway, running_gateway
+from tests.support.upstreams import Upstream, running_upstream
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def test_the_shipped_config_is_valid_with_the_image_command_line() -> None:
     (cmd,) = _instructions("CMD")
     assert "/etc/llm-gateway/gateway.yaml" in cmd
     check = (
-        "from gateway.config import load_config; from gateway.app import build_app; "
+        "from gateway.config import load_config; from gateway.http.app import build_app; "
         "build_app(load_config('deploy/examples/gateway.yaml', environ={}))"
     )
     result = subprocess.run(

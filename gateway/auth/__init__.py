@@ -7,17 +7,17 @@ and :meth:`RateLimiter.settle` after it, once the usage is known.
 
 from __future__ import annotations
 
+from gateway.auth.backends import build_key_store, build_rate_limiter
 from gateway.auth.keyfile import FileKeyStore, KeyFileError
 from gateway.auth.keys import (
     KeyStore,
     KeyStoreUnavailable,
-    build_key_store,
     extract_key,
     hash_key,
     key_fingerprint,
     matches_hash,
 )
-from gateway.auth.ratelimit import LimitDecision, MemoryRateLimiter, RateLimiter, build_rate_limiter
+from gateway.auth.ratelimit import LimitDecision, MemoryRateLimiter, RateLimiter
 from gateway.auth.tenant import Priority, Tenant, TenantSpec
 
 __all__ = [

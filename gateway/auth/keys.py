@@ -5,23 +5,22 @@ never stored or logged — logs name a key by its configured ``name`` or by
 :func:`key_fingerprint` (the first 8 hex digits of its hash).
 
 Two stores behind :class:`KeyStore`: a YAML file (:mod:`gateway.auth.keyfile`) and
-Redis (:mod:`gateway.auth.redis_keys`), chosen by ``auth.backend``.
+Redis (:mod:`gateway.auth.redis_keys`), chosen by ``auth.backend`` in
+:mod:`gateway.auth.backends`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from gateway.auth.tenant import Tenant
-from gateway.config import AuthConfig
 
 __all__ = [
     "KeyStore",
     "KeyStoreUnavailable",
-    "build_key_store",
     "extract_key",
     "hash_key",
     "key_fingerprint",
@@ -81,25 +80,3 @@ def extract_key(headers: Mapping[str, str]) -> str | None:
     if api_key and api_key.strip():
         return api_key.strip()
     return None
-
-
-def build_key_store(config: AuthConfig, on_fallback: Callable[[str], None] | None = None) -> KeyStore:
-    """The store ``auth.backend`` names. The file store reads (and validates) its file now."""
-    if config.backend == "file":
-        from gateway.auth.keyfile import FileKeyStore
-
-        if not config.keys_file:
-            raise ValueError("auth.keys_file: required for the file backend")
-        return FileKeyStore(config.keys_file)
-    import redis.asyncio as aioredis
-
-    from gateway.auth.redis_keys import RedisKeyStore
-
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
-    return RedisKeyStore(
-        client,
-        key_prefix=config.key_prefix,
-        # A miss costs two round trips once per key per cache TTL, not one per request.
-        budget_s=max(config.redis_budget_s, 0.1),
-        on_fallback=on_fallback,
-    )

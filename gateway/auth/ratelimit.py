@@ -25,13 +25,11 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gateway.auth.tenant import Tenant
-from gateway.config import AuthConfig
 
 __all__ = [
     "LimitDecision",
     "MemoryRateLimiter",
     "RateLimiter",
-    "build_rate_limiter",
     "format_duration",
 ]
 
@@ -216,21 +214,3 @@ class MemoryRateLimiter:
 
     async def close(self) -> None:
         self._buckets.clear()
-
-
-def build_rate_limiter(config: AuthConfig, on_fallback: Callable[[str], None] | None = None) -> RateLimiter:
-    """``auth.limits_backend``: memory (this instance) or redis (fleet-wide, memory fallback).
-
-    ``on_fallback(reason)`` counts checks answered locally because Redis was slow
-    (``timeout``), failing (``error``) or skipped during an outage's back-off (``skipped``).
-    """
-    if config.limits_backend == "memory":
-        return MemoryRateLimiter()
-    import redis.asyncio as aioredis
-
-    from gateway.auth.redis_limits import RedisRateLimiter
-
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
-    return RedisRateLimiter(
-        client, key_prefix=config.key_prefix, budget_s=config.redis_budget_s, on_fallback=on_fallback
-    )

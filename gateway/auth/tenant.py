@@ -7,13 +7,14 @@ file and the Redis JSON record — so both backends accept exactly the same thin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["TENANT_NAME_PATTERN", "Priority", "Tenant", "TenantSpec"]
+from gateway.request.types import Priority
 
-Priority = Literal["critical", "standard", "sheddable"]
+__all__ = ["TENANT_NAME_PATTERN", "Priority", "Tenant", "TenantSpec"]  # Priority: re-exported
+
 
 # Tenant names end up inside Redis keys as a hash tag (``{name}``) and in logs and
 # metric labels: keep them to a plain, brace-free alphabet.

@@ -11,18 +11,16 @@ predictions grow it back slowly (+1 %). None of our peers use that signal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.metrics import GatewayMetrics
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.metrics import GatewayMetrics
 from gateway.prefix.hashing import block_hashes
 from gateway.prefix.index import PrefixIndex
-from gateway.types import Endpoint, InferenceRequest
+from gateway.request.types import CHARS_PER_TOKEN, InferenceRequest
 
-__all__ = ["PrefixCache", "PrefixMatch"]
+__all__ = ["PrefixCache", "PrefixMatch", "PrefixState"]
 
-_MATCH_KEY = "prefix_match"
-_HASHES_KEY = "prefix_hashes"
-CHARS_PER_TOKEN = 4.0
 _TRUST_FLOOR = 0.25
 
 
@@ -36,6 +34,16 @@ class PrefixMatch:
 
     def best(self) -> int:
         return max(self.matched.values(), default=0)
+
+
+@dataclass(slots=True)
+class PrefixState:
+    """A request's prefix bookkeeping, in its context: hashed once, matched once per candidate set."""
+
+    hashes: list[int]
+    match: PrefixMatch | None = None
+    # Estimated uncached prompt tokens sent to each endpoint and not yet answered.
+    pending: dict[Endpoint, float] = field(default_factory=dict)
 
 
 class PrefixCache:
@@ -55,29 +63,35 @@ class PrefixCache:
         self._trust: dict[str, float] = {}
 
     # -- per request ----------------------------------------------------------------
-    def hashes(self, request: InferenceRequest) -> list[int]:
-        hashes = request.attributes.get(_HASHES_KEY)
-        if hashes is None:
+    def state(self, request: InferenceRequest) -> PrefixState:
+        """The request's prefix state, hashing its prompt on first use."""
+        state = request.context.prefix
+        if state is None:
             hashes = block_hashes(request.model, request.prompt_text, self.block_bytes)
-            request.attributes[_HASHES_KEY] = hashes
-        return hashes
+            state = request.context.prefix = PrefixState(hashes)
+        return state
+
+    def hashes(self, request: InferenceRequest) -> list[int]:
+        return self.state(request).hashes
 
     async def match(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> PrefixMatch:
         """Match once per request; later callers (other scorers, other profiles) reuse it."""
-        cached: PrefixMatch | None = request.attributes.get(_MATCH_KEY)
+        state = self.state(request)
+        cached = state.match
         if cached is not None and all(e in cached.matched for e in candidates):
             return cached
-        hashes = self.hashes(request)
+        hashes = state.hashes
         by_name = await self.index.match(hashes, [e.name for e in candidates], request.model)
         match = PrefixMatch(len(hashes), {e: by_name.get(e.name, 0) for e in candidates})
-        request.attributes[_MATCH_KEY] = match
+        state.match = match
         if hashes:
             self._metrics.prefix_predicted_blocks.inc(match.best())
             self._metrics.prefix_prompt_blocks.inc(len(hashes))
         return match
 
     def current_match(self, request: InferenceRequest) -> PrefixMatch | None:
-        return request.attributes.get(_MATCH_KEY)
+        state = request.context.prefix
+        return state.match if state is not None else None
 
     def uncached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> float:
         """Estimated prompt tokens ``endpoint`` would have to prefill for ``request``."""

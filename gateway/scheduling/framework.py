@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gateway.types import Endpoint, InferenceRequest, ScoredEndpoint
+from gateway.fleet.endpoint import Endpoint
+from gateway.request.types import InferenceRequest
+from gateway.scheduling.result import ScoredEndpoint
 
 if TYPE_CHECKING:
-    from gateway.metrics import GatewayMetrics
+    from gateway.admission.saturation import SaturationDetector
+    from gateway.ops.metrics import GatewayMetrics
     from gateway.prefix.cache import PrefixCache
-    from gateway.saturation import SaturationDetector
-    from gateway.sessions_affinity import SessionAffinity
+    from gateway.sessions.affinity import SessionAffinity
 
 __all__ = [
     "Filter",

@@ -1,8 +1,8 @@
 """Registry of plugin *types*: type name → (kind, factory). Config instances are built from it.
 
-Built-in plugins register themselves from :mod:`policies`; third-party packages add
-theirs through the ``llm_gateway.plugins`` entry-point group, whose entry points are
-callables ``register(registry: PluginRegistry) -> None``.
+The wiring registers the in-tree plugins (:mod:`gateway.http.plugins`); third-party
+packages add theirs through the ``llm_gateway.plugins`` entry-point group, whose entry
+points are callables ``register(registry: PluginRegistry) -> None``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.scheduling.framework import PluginContext, PluginKind
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginFactory", "PluginRegistry", "PluginType", "default_registry"]
+__all__ = ["ENTRY_POINT_GROUP", "PluginFactory", "PluginRegistry", "PluginType", "load_entry_point_plugins"]
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,8 @@ class PluginRegistry:
         return sorted(self._types)
 
 
-def default_registry(load_entry_points: bool = True) -> PluginRegistry:
-    """Built-in plugins plus any installed third-party plugin packages."""
-    from policies import register_builtin_plugins
-
-    registry = PluginRegistry()
-    register_builtin_plugins(registry)
-    if load_entry_points:
-        for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-            log.info("loading plugins from %s", entry_point.value)
-            entry_point.load()(registry)
-    return registry
+def load_entry_point_plugins(registry: PluginRegistry) -> None:
+    """Let installed third-party packages register theirs (``llm_gateway.plugins`` entry points)."""
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        log.info("loading plugins from %s", entry_point.value)
+        entry_point.load()(registry)

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.errors import NoHealthyEndpoint
-from gateway.metrics import GatewayMetrics
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.metrics import GatewayMetrics
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import (
     Filter,
     Picker,
@@ -17,7 +19,7 @@ from gateway.scheduling.framework import (
     ProfileHandler,
     Scorer,
 )
-from gateway.types import Endpoint, InferenceRequest, SchedulingResult, ScoredEndpoint
+from gateway.scheduling.result import SchedulingResult, ScoredEndpoint
 
 __all__ = ["PLUGIN_TIMING_EVERY", "Profile", "Scheduler", "WeightedScorer"]
 

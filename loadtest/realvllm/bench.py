@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.realvllm.fleet import ReplicaOptions, install_signal_exits, running_fleet
 
 __all__ = [
     "EngineCounters",
@@ -192,9 +195,7 @@ async def _bench(replica_urls: list[str], workload: Workload, log_dir: Any) -> l
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """``python -m loadtest.realvllm.fleet --bench [--replicas N] [--num-blocks B]``."""
-    from loadtest.realvllm.fleet import ReplicaOptions, running_fleet
-
+    """``python -m loadtest.realvllm.bench [--replicas N] [--num-blocks B]``."""
     options = ReplicaOptions(num_blocks=args.num_blocks or 128)
     workload = Workload()
     started = time.monotonic()
@@ -207,3 +208,16 @@ def run_cli(args: argparse.Namespace) -> int:
         for failure in r.failures[:5]:
             print(f"  {r.policy} failure: {failure}")
     return 0 if not any(r.failures for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.realvllm.bench", description=__doc__)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=None, help="--num-gpu-blocks-override per replica")
+    args = parser.parse_args(argv)
+    install_signal_exits()
+    return run_cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ Process management is synchronous on purpose: a test session fixture starts the
 fleet once, outside any event loop, and each test then talks to it over HTTP.
 
     python -m loadtest.realvllm.fleet --replicas 2            # start, print URLs, wait for Ctrl-C
-    python -m loadtest.realvllm.fleet --bench                  # prefix-aware vs round-robin table
+    python -m loadtest.realvllm.bench                          # prefix-aware vs round-robin table
 """
 
 from __future__ import annotations
@@ -380,17 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.realvllm.fleet", description=__doc__)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=None, help="--num-gpu-blocks-override per replica")
-    parser.add_argument("--bench", action="store_true", help="prefix-aware vs round-robin, then exit")
     args = parser.parse_args(argv)
-    # SIGTERM, and SIGINT even where a non-interactive shell started us with it ignored, must
-    # unwind through running_fleet so the replicas (in their own sessions) are stopped too.
+    install_signal_exits()
+    return _serve(args)
+
+
+def install_signal_exits() -> None:
+    """SIGTERM, and SIGINT even where a non-interactive shell started us with it ignored, must
+    unwind through running_fleet so the replicas (in their own sessions) are stopped too."""
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
-    if args.bench:
-        from loadtest.realvllm.bench import run_cli
-
-        return run_cli(args)
-    return _serve(args)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.types import InferenceRequest, ScoredEndpoint
+from gateway.scheduling.result import ScoredEndpoint
 from policies.params import Params
 
 TYPE_NAME = "random"

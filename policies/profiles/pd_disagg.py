@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.pd import PD_DECISION
 from gateway.prefix.cache import PrefixCache
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.types import InferenceRequest, ScoredEndpoint
+from gateway.scheduling.result import PDDecision, ScoredEndpoint
 from policies.params import Params
 
 TYPE_NAME = "pd-disagg"
@@ -59,7 +59,7 @@ class PDProfileHandler:
         if self._prefill in results:
             return []
         disaggregate, reason = self._decide(request, results[self._decode])
-        request.attributes[PD_DECISION] = (disaggregate, reason)
+        request.context.pd_decision = PDDecision(disaggregate, reason)
         return [self._prefill] if disaggregate else []
 
     def _decide(self, request: InferenceRequest, decode_ranked: list[ScoredEndpoint]) -> tuple[bool, str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.types import InferenceRequest, ScoredEndpoint
+from gateway.scheduling.result import ScoredEndpoint
 from policies.params import Params
 
 TYPE_NAME = "single"

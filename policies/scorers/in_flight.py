@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.fleet.endpoint import Endpoint
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
 TYPE_NAME = "in-flight"

@@ -13,8 +13,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.fleet.endpoint import Endpoint
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.types import Endpoint, InferenceRequest
 from policies.params import Params
 
 TYPE_NAME = "queue-depth"

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.fleet.endpoint import Endpoint
+from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.sessions_affinity import SessionAffinity
-from gateway.types import Endpoint, InferenceRequest
+from gateway.sessions.affinity import SessionAffinity
 from policies.params import Params
 
 TYPE_NAME = "session-affinity"

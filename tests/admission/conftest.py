@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from tests.gateway.harness import Gateway, gateway_metrics, metric_value, wait_until
-from tests.gateway.upstreams import Upstream, vllm_metrics
+from tests.support.harness import Gateway, gateway_metrics, metric_value, wait_until
+from tests.support.upstreams import Upstream, vllm_metrics
 
 T = TypeVar("T")
 

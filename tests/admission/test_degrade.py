@@ -15,7 +15,7 @@ from tests.admission.conftest import (
     post,
     wait_saturation,
 )
-from tests.gateway.upstreams import Upstream, vllm_metrics
+from tests.support.upstreams import Upstream, vllm_metrics
 
 
 def _received(ups: list[Upstream], request_id: str) -> dict:

@@ -20,7 +20,7 @@ from tests.admission.conftest import (
     wait_queue,
     wait_saturation,
 )
-from tests.gateway.harness import debug_endpoints, gateway_metrics, metric_value, wait_until
+from tests.support.harness import debug_endpoints, gateway_metrics, metric_value, wait_until
 
 
 async def test_client_disconnect_frees_its_queue_slot(spawn, start_upstream, start_gateway, http) -> None:

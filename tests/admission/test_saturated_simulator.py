@@ -14,7 +14,7 @@ from collections import Counter
 import openai
 
 from tests.admission.conftest import metric
-from tests.gateway.harness import gateway_metrics, metric_value, wait_until
+from tests.support.harness import gateway_metrics, metric_value, wait_until
 
 MODEL = "sim-llama"
 

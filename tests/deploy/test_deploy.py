@@ -27,16 +27,16 @@ import redis.asyncio as aioredis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.auth.keyfile import KeyFileError, load_keys_file
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.discovery.kubernetes import Skip, endpoint_from_pod
-from gateway.server import start_site
-from gateway.state import STATE
-from tests.discovery.apiserver import make_pod, running_apiserver
-from tests.gateway.harness import Gateway, chat_body, free_port, gateway_metrics, wait_until
+from gateway.fleet.discovery.kubernetes import Skip, endpoint_from_pod
+from gateway.http.app import build_app
+from gateway.http.server import start_site
+from gateway.http.state import STATE
+from tests.fleet.discovery.apiserver import make_pod, running_apiserver
 from tests.prefix.conftest import key_prefix, redis_url
+from tests.support.harness import Gateway, chat_body, free_port, gateway_metrics, wait_until
 
 __all__ = ["key_prefix", "redis_url"]  # fixtures
 
@@ -71,7 +71,7 @@ def exported_sample_names(text: str) -> set[str]:
 
 def unknown_metrics(exprs: list[str], known: set[str]) -> dict[str, set[str]]:
     allowed = set(known)
-    if importlib.util.find_spec("gateway.autoscale") is None:
+    if importlib.util.find_spec("gateway.fleet.autoscale") is None:
         allowed |= POOL_GAUGES  # the autoscaling gauges are not merged yet
     out: dict[str, set[str]] = {}
     for expr in exprs:
@@ -142,7 +142,7 @@ async def test_dashboard_and_rules_reference_only_exported_metrics(exported):
 async def test_pool_gauges_required_once_autoscale_exists(exported):
     referenced = {m for e in dashboard_exprs() for m in METRIC_RE.findall(e)}
     assert POOL_GAUGES <= referenced
-    if importlib.util.find_spec("gateway.autoscale") is not None:
+    if importlib.util.find_spec("gateway.fleet.autoscale") is not None:
         assert POOL_GAUGES <= exported
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from tests.gateway.harness import metric_value
+from tests.support.harness import metric_value
 
 __all__ = ["MODEL", "engine_metric", "engine_metrics_text"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e_vllm.conftest import Fleet
 from tests.e2e_vllm.helpers import MODEL, engine_metric
-from tests.gateway.harness import wait_idle, wait_until
+from tests.support.harness import wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 LONG = 1900  # tokens: 2.5-6 s of decoding on this machine, far longer than the tests wait

@@ -10,7 +10,7 @@ import pytest
 from gateway.prefix.cache import CHARS_PER_TOKEN
 from tests.e2e_vllm.conftest import BLOCK_SIZE, NUM_BLOCKS, Fleet
 from tests.e2e_vllm.helpers import MODEL
-from tests.gateway.harness import debug_endpoints, gateway_metrics, metric_value, wait_until
+from tests.support.harness import debug_endpoints, gateway_metrics, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import pytest
 
 from loadtest.realvllm.bench import RunResult, Workload, format_table, reset_prefix_caches, run_workload
 from tests.e2e_vllm.conftest import Fleet
-from tests.gateway.harness import wait_idle
+from tests.support.harness import wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e_vllm.conftest import Fleet
 from tests.e2e_vllm.helpers import MODEL
-from tests.gateway.harness import debug_endpoints, gateway_metrics, wait_until
+from tests.support.harness import debug_endpoints, gateway_metrics, wait_until
 
 pytestmark = pytest.mark.slow
 WORKERS = 4

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from tests.gateway.harness import Gateway, running_gateway
-from tests.gateway.upstreams import Upstream, running_upstream
+from tests.support.harness import Gateway, running_gateway
+from tests.support.upstreams import Upstream, running_upstream
 
 __all__ = ["MAX_BODY_BYTES", "MAX_HEADERS", "MAX_HEADER_BYTES", "LiveGateway", "live_gateway"]
 
@@ -50,7 +50,7 @@ class LiveGateway:
 
 @contextlib.contextmanager
 def live_gateway(**overrides: Any) -> Iterator[LiveGateway]:
-    """``overrides``: config sections, as for :func:`tests.gateway.harness.running_gateway`."""
+    """``overrides``: config sections, as for :func:`tests.support.harness.running_gateway`."""
     loop = uvloop.new_event_loop()
     started: concurrent.futures.Future[tuple[LiveGateway, asyncio.Event]] = concurrent.futures.Future()
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.live import MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADERS, LiveGateway
-from tests.gateway.upstreams import CHUNKS
+from tests.support.upstreams import CHUNKS
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 VALID: dict[str, dict[str, Any]] = {

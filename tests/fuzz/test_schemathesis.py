@@ -24,9 +24,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.openapi import openapi_document
+from gateway.http.openapi import openapi_document
 from tests.fuzz.live import LiveGateway
-from tests.gateway.upstreams import CHUNKS
+from tests.support.upstreams import CHUNKS
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 FUZZ = settings(

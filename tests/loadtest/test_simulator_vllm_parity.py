@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.endpoints.scraper import parse_engine_metrics
-from gateway.types import EngineKind
+from gateway.fleet.endpoint import EngineKind
+from gateway.fleet.scraper import parse_engine_metrics
 from loadtest.realvllm.capture import PROBES
 from loadtest.simulator import SimConfig, running_simulator
 

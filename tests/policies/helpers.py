@@ -6,13 +6,15 @@ import json
 import time
 from typing import Any
 
-from gateway.app import build_app
 from gateway.config import load_config
-from gateway.parsing import parse_request
+from gateway.fleet.endpoint import Endpoint, EngineKind, Role
+from gateway.http.app import build_app
+from gateway.http.plugins import default_registry
+from gateway.http.state import STATE
+from gateway.request.parse import parse_request
+from gateway.request.types import ApiKind, InferenceRequest
 from gateway.scheduling.framework import PluginKind
-from gateway.scheduling.registry import default_registry
-from gateway.state import STATE
-from gateway.types import ApiKind, Endpoint, EngineKind, InferenceRequest, Role, ScoredEndpoint
+from gateway.scheduling.result import ScoredEndpoint
 
 __all__ = ["endpoint", "make_plugin", "request", "scored", "with_metrics"]
 
@@ -71,7 +73,7 @@ def make_plugin(type_name: str, parameters: dict[str, Any] | None = None) -> Any
     config = load_config(
         overrides={"plugins": plugins, "profiles": [{"name": "p", "plugins": refs}]}, environ={}
     )
-    scheduler = build_app(config)[STATE].scheduler
+    scheduler = build_app(config)[STATE].routing.scheduler
     profile = scheduler.profiles["p"]
     if kind is PluginKind.FILTER:
         return profile.filters[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import ConfigError
-from gateway.types import Role
+from gateway.fleet.endpoint import Role
 from tests.policies.helpers import endpoint, make_plugin, request
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import build_app
 from gateway.config import ConfigError, load_config
-from gateway.state import STATE
+from gateway.http.app import build_app
+from gateway.http.state import STATE
 from policies.profiles.single import SingleProfileHandler
 from tests.policies.helpers import endpoint, make_plugin, request, scored
 
@@ -20,7 +20,7 @@ def _scheduler(handler_parameters: dict | None):
         {"name": "second", "plugins": [{"ref": "round-robin"}]},
     ]
     config = load_config(overrides={"plugins": plugins, "profiles": profiles}, environ={})
-    return build_app(config)[STATE].scheduler
+    return build_app(config)[STATE].routing.scheduler
 
 
 def test_runs_the_first_profile_once():

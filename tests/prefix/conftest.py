@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.app import build_app
 from gateway.config import load_config
-from gateway.server import start_site
+from gateway.http.app import build_app
+from gateway.http.server import start_site
 from loadtest.simulator import RunningSimulator, SimConfig, running_simulator
-from tests.gateway.harness import Gateway
+from tests.support.harness import Gateway
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 

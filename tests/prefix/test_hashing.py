@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from gateway.request.prompt import canonical_chat_prompt
 
-from gateway.parsing import canonical_chat_prompt
 from gateway.prefix.hashing import DEFAULT_BLOCK_BYTES, block_hashes
 
 B = DEFAULT_BLOCK_BYTES

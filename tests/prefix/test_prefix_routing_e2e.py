@@ -14,8 +14,8 @@ import aiohttp
 import openai
 
 from loadtest.simulator import RunningSimulator
-from tests.gateway.harness import metric_value
 from tests.prefix.conftest import GatewayProcessless, gateway_config
+from tests.support.harness import metric_value
 
 MODEL = "sim-llama"
 

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from loadtest.simulator import RunningSimulator, SimConfig
 from loadtest.simulator.server import start_runner
-from tests.gateway.harness import Gateway
 from tests.prefix.conftest import key_prefix, redis_servers, redis_url  # noqa: F401  (fixtures)
+from tests.support.harness import Gateway
 
 MODEL = "sim-llama"
 

@@ -7,9 +7,9 @@ scorers outweighed affinity on a healthy replica).
 
 from __future__ import annotations
 
-from tests.gateway.harness import gateway_metrics, metric_value, wait_until
-from tests.gateway.upstreams import vllm_metrics
 from tests.sessions.conftest import FAST, started_gateway, turn
+from tests.support.harness import gateway_metrics, metric_value, wait_until
+from tests.support.upstreams import vllm_metrics
 
 
 async def _moves(http, gw, reason: str) -> float:

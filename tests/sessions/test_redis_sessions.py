@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from tests.gateway.harness import gateway_metrics, metric_value, wait_until
+from gateway.request.parse import session_key
 from tests.sessions.conftest import started_gateway, turn
+from tests.support.harness import gateway_metrics, metric_value, wait_until
 
 SESSIONS = 6
 
@@ -26,7 +27,7 @@ async def test_two_gateways_sharing_redis_keep_a_session_on_one_replica(
     try:
 
         async def all_written() -> bool:
-            values = [await redis.get(f"{key_prefix}:session:{{{sid}}}") for sid in ids]
+            values = [await redis.get(f"{key_prefix}:session:{{{session_key(sid)}}}") for sid in ids]
             return values == [pinned[sid] for sid in ids]
 
         await wait_until(all_written, 3.0, "gateway A's pins to reach Redis")

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.gateway.harness import gateway_metrics, metric_value, wait_until
 from tests.sessions.conftest import fresh_prompt, started_gateway, turn
+from tests.support.harness import gateway_metrics, metric_value, wait_until
 
 SESSIONS = 4
 TURNS = 6

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.sessions import MemorySessionStore, RedisSessionStore
+from gateway.sessions.store import MemorySessionStore, RedisSessionStore
 
 Factory = Callable[..., MemorySessionStore | RedisSessionStore]
 

@@ -10,8 +10,8 @@ import base64
 
 import pytest
 
-from tests.gateway.harness import gateway_metrics, metric_value
 from tests.sessions.conftest import session_gateway_kw, started_gateway, turn
+from tests.support.harness import gateway_metrics, metric_value
 
 
 def _b64(text: str) -> str:

@@ -1,0 +1,114 @@
+"""Which endpoints are in the fleet, merged from every source: config file, admin API, discovery.
+
+Each source owns a full list (``apply(source, endpoints)`` replaces that source's
+list); the fleet is their union, with the first source to name a URL winning
+(``config`` before ``admin`` before discovery). Changes reach the registry as
+adds and removes of ``Endpoint`` objects. Removal only takes the endpoint out of
+scheduling: requests already sent hold their own reference to it and finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from gateway.config import EndpointConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry, endpoint_from_config
+
+__all__ = ["ADMIN_SOURCE", "CONFIG_SOURCE", "FleetMembership"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_SOURCE = "config"
+ADMIN_SOURCE = "admin"
+_PRECEDENCE = {CONFIG_SOURCE: 0, ADMIN_SOURCE: 1}
+
+
+class FleetMembership:
+    def __init__(
+        self,
+        registry: EndpointRegistry,
+        on_added: Callable[[list[Endpoint]], None] | None = None,
+        on_removed: Callable[[list[Endpoint]], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._sources: dict[str, dict[str, EndpointConfig]] = {}
+        self._owner: dict[str, tuple[str, EndpointConfig]] = {}  # url → (source, config in force)
+        self.on_added = on_added
+        self.on_removed = on_removed
+
+    def seed(self, source: str, endpoints: Iterable[EndpointConfig]) -> None:
+        """Record what the registry was built with, without touching it."""
+        configs = {e.url: e for e in endpoints}
+        self._sources[source] = configs
+        for url, cfg in configs.items():
+            self._owner.setdefault(url, (source, cfg))
+
+    def source_of(self, url: str) -> str | None:
+        owner = self._owner.get(url)
+        return owner[0] if owner else None
+
+    def endpoints_of(self, source: str) -> list[EndpointConfig]:
+        return list(self._sources.get(source, {}).values())
+
+    def apply(self, source: str, endpoints: Iterable[EndpointConfig]) -> tuple[list[str], list[str]]:
+        """Replace ``source``'s list; returns (added URLs, removed URLs).
+
+        Every new ``Endpoint`` is built before anything changes, so a bad entry (an
+        unreadable token file) raises ``ConfigError`` and leaves the fleet as it was. An
+        endpoint whose URL stays but whose config changed is replaced in place, keeping
+        what the gateway knows about it (health, scraped load, drain state).
+        """
+        sources = {**self._sources, source: {e.url: e for e in endpoints}}
+        wanted: dict[str, tuple[str, EndpointConfig]] = {}
+        for name in sorted(sources, key=lambda s: (_PRECEDENCE.get(s, 2), s)):
+            for url, cfg in sources[name].items():
+                wanted.setdefault(url, (name, cfg))
+        built = {
+            url: endpoint_from_config(cfg)
+            for url, (_, cfg) in wanted.items()
+            if url not in self._owner or self._owner[url][1] != cfg
+        }
+
+        self._sources = sources
+        removed: list[Endpoint] = []
+        added: list[Endpoint] = []
+        for url in [u for u in self._owner if u not in wanted]:
+            endpoint = self._registry.remove(url, rebuild=False)
+            if endpoint is not None:
+                removed.append(endpoint)
+            del self._owner[url]
+        for url, endpoint in built.items():
+            previous = self._registry.get(url) if url in self._owner else None
+            if previous is not None:
+                _carry_over(previous, endpoint)
+            else:
+                added.append(endpoint)
+            self._registry.add(endpoint, rebuild=False)
+            self._owner[url] = wanted[url]
+        if built or removed:
+            self._registry.rebuild()
+        if added or removed:
+            log.info(
+                "fleet change from %s: +%s -%s",
+                source,
+                [e.name for e in added],
+                [e.name for e in removed],
+            )
+            if removed and self.on_removed is not None:
+                self.on_removed(removed)
+            if added and self.on_added is not None:
+                self.on_added(added)
+        return [e.url for e in added], [e.url for e in removed]
+
+
+def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
+    """Same replica, new settings: what was observed about it stays true."""
+    endpoint.healthy = previous.healthy
+    endpoint.consecutive_failures = previous.consecutive_failures
+    endpoint.consecutive_successes = previous.consecutive_successes
+    endpoint.discovered_models = previous.discovered_models
+    endpoint.metrics = previous.metrics
+    endpoint.draining = previous.draining
+    endpoint.ejected = previous.ejected

@@ -1,0 +1,110 @@
+"""The set of endpoints and a model → healthy-endpoints index, rebuilt only when health changes.
+
+The per-request path asks ``candidates(model)`` and gets a ready list, so request
+cost does not grow with the number of models or with health-check churn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from gateway.config import ConfigError, EndpointConfig
+from gateway.fleet.endpoint import Endpoint, EngineKind, Role
+
+__all__ = ["EndpointRegistry", "endpoint_from_config", "upstream_auth_header"]
+
+
+def upstream_auth_header(cfg: EndpointConfig) -> str | None:
+    """The bearer header for this endpoint's own API key, if it has one (file wins: a mounted Secret)."""
+    token = cfg.api_key
+    if cfg.api_key_file:
+        try:
+            token = Path(cfg.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"endpoints: cannot read api_key_file for {cfg.url}: {exc.strerror}") from None
+    return f"Bearer {token}" if token else None
+
+
+def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
+    return Endpoint(
+        url=cfg.url,
+        role=Role(cfg.role),
+        engine=EngineKind(cfg.engine),
+        configured_models=frozenset(cfg.models),
+        labels=dict(cfg.labels),
+        bootstrap_port=cfg.bootstrap_port,
+        auth_header=upstream_auth_header(cfg),
+    )
+
+
+_DISCOVERY_GRACE_S = 10.0  # a new endpoint's models are unknown until its first probe answers
+
+
+class EndpointRegistry:
+    def __init__(self, endpoints: Iterable[Endpoint] = ()) -> None:
+        self._endpoints: dict[str, Endpoint] = {}
+        self._by_model: dict[str, list[Endpoint]] = {}
+        self._known_models: frozenset[str] = frozenset()
+        for endpoint in endpoints:
+            self._endpoints[endpoint.url] = endpoint
+        self.rebuild()
+
+    def __iter__(self):
+        return iter(list(self._endpoints.values()))
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def __contains__(self, endpoint: object) -> bool:
+        """This very endpoint object is a member (not a replaced or removed one with the same URL)."""
+        return isinstance(endpoint, Endpoint) and self._endpoints.get(endpoint.url) is endpoint
+
+    def get(self, url: str) -> Endpoint | None:
+        return self._endpoints.get(url)
+
+    def add(self, endpoint: Endpoint, *, rebuild: bool = True) -> None:
+        self._endpoints[endpoint.url] = endpoint
+        if rebuild:
+            self.rebuild()
+
+    def remove(self, url: str, *, rebuild: bool = True) -> Endpoint | None:
+        endpoint = self._endpoints.pop(url, None)
+        if rebuild:
+            self.rebuild()
+        return endpoint
+
+    def rebuild(self) -> None:
+        """Recompute the model index; call after any health or model-list change."""
+        by_model: dict[str, list[Endpoint]] = {}
+        known: set[str] = set()
+        for endpoint in self._endpoints.values():
+            known.update(endpoint.models)
+            if endpoint.healthy and not endpoint.ejected and not endpoint.draining:
+                for model in endpoint.models:
+                    by_model.setdefault(model, []).append(endpoint)
+        self._by_model = by_model
+        self._known_models = frozenset(known)
+
+    def candidates(self, model: str) -> list[Endpoint]:
+        """Routable endpoints serving ``model``: healthy, not ejected, not draining (shared list)."""
+        return self._by_model.get(model, [])
+
+    def is_known_model(self, model: str) -> bool:
+        """Served by some endpoint — or maybe by one that joined moments ago and is still being probed.
+
+        Only called on the error path, so the scan costs nothing in the common case. It
+        turns the first moments after a reload or a discovery change into a retryable
+        503 instead of a misleading 404.
+        """
+        if model in self._known_models:
+            return True
+        now = time.monotonic()
+        return any(not e.models and now - e.created_at < _DISCOVERY_GRACE_S for e in self._endpoints.values())
+
+    def healthy_models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def any_healthy(self) -> bool:
+        return any(e.healthy for e in self._endpoints.values())

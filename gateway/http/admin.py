@@ -1,0 +1,174 @@
+"""``/admin/endpoints``: list, add, drain, undrain and remove endpoints at run time.
+
+Closed unless ``auth.admin_key_sha256`` is configured: then 404, as if the routes did
+not exist, so an unconfigured gateway exposes nothing. The key travels as
+``Authorization: Bearer <key>`` (or ``x-admin-key``) and is compared by its SHA-256,
+in constant time; the raw key is never stored or logged.
+
+Endpoints added here belong to the ``admin`` source (see ``FleetMembership``): they
+live until removed or until the process restarts. Endpoints from the config file or
+discovery cannot be removed here (their source would add them back); drain them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from gateway.config import ConfigError, EndpointConfig, format_validation_error
+from gateway.errors import BadRequest, Conflict, NotFound, Unauthorized
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.membership import ADMIN_SOURCE
+from gateway.http.state import STATE, GatewayState
+
+__all__ = ["add_admin_routes", "endpoint_row", "require_admin_key"]
+
+
+def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[str, Any]:
+    m = endpoint.metrics
+    return {
+        "url": endpoint.url,
+        "role": endpoint.role.value,
+        "engine": endpoint.engine.value,
+        "models": sorted(endpoint.models),
+        "source": state.membership.source_of(endpoint.url),
+        "healthy": endpoint.healthy,
+        "ejected": endpoint.ejected,
+        "breaker": state.breakers.state(endpoint).value,
+        "draining": endpoint.draining,
+        "in_flight": endpoint.in_flight,
+        "in_flight_tokens": endpoint.in_flight_tokens,
+        "waiting": m.waiting,
+        "running": m.running,
+        "kv_usage": m.kv_usage,
+        "metrics_stale": m.stale,
+        "metrics_age_s": round(now - m.scraped_at, 3) if m.scraped_at else None,
+    }
+
+
+def require_admin_key(state: GatewayState, request: web.Request) -> None:
+    """404 when no admin key is configured (closed, as if absent); 401 for a missing or wrong key."""
+    expected = state.config.auth.admin_key_sha256
+    if not expected:
+        raise NotFound(f"Unknown path {request.path}")
+    given = request.headers.get("x-admin-key", "")
+    authorization = request.headers.get("authorization", "")
+    if authorization[:7].lower() == "bearer ":
+        given = authorization[7:].strip()
+    digest = hashlib.sha256(given.encode()).hexdigest()
+    if not given or not hmac.compare_digest(digest, expected.lower()):
+        state.metrics.auth_failures.labels("admin_key").inc()
+        raise Unauthorized("a valid admin key is required", code="invalid_admin_key")
+
+
+def _bad(message: str) -> BadRequest:
+    return BadRequest(message, code="invalid_admin_request")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise _bad("request body must be valid JSON") from None
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    return body
+
+
+def _target(state: GatewayState, request: web.Request, body: dict[str, Any]) -> Endpoint:
+    url = body.get("url", request.query.get("url"))
+    if not isinstance(url, str) or not url:
+        raise _bad("give the endpoint's url (body field or ?url=)")
+    endpoint = state.registry.get(url.rstrip("/"))
+    if endpoint is None:
+        raise NotFound(f"no endpoint {url!r}", code="endpoint_not_found")
+    return endpoint
+
+
+def _admin(handler):
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        require_admin_key(state, request)
+        if request.method != "GET" and state.config.server.workers > 1:
+            # Each worker process has its own fleet view; a change would reach one of them.
+            raise Conflict(
+                "admin changes need server.workers: 1; with several workers edit the config file"
+                " (reloaded on SIGHUP in every worker) or use discovery",
+                code="not_supported_with_workers",
+            )
+        return await handler(state, request)
+
+    return guarded
+
+
+@_admin
+async def list_endpoints(state: GatewayState, request: web.Request) -> web.Response:
+    now = time.monotonic()
+    return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
+
+
+@_admin
+async def add_endpoint(state: GatewayState, request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if "api_key_file" in body:
+        # The caller picks the URL: reading a local file into its Authorization header would
+        # hand any file the gateway can read (service-account token, keys) to that caller.
+        raise _bad("api_key_file is not accepted here; give api_key, or use the config file")
+    try:
+        config = EndpointConfig.model_validate(body)
+    except ValidationError as exc:
+        raise _bad(format_validation_error(exc)) from None
+    owner = state.membership.source_of(config.url)
+    if owner is not None:
+        raise Conflict(f"endpoint {config.url} already exists (from {owner})")
+    try:
+        state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
+    except ConfigError as exc:
+        raise _bad(str(exc)) from None
+    endpoint = state.registry.get(config.url)
+    assert endpoint is not None
+    return web.json_response(endpoint_row(state, endpoint, time.monotonic()), status=201)
+
+
+async def _set_draining(state: GatewayState, request: web.Request, draining: bool) -> web.Response:
+    endpoint = _target(state, request, await _json_body(request))
+    endpoint.draining = draining
+    state.registry.rebuild()
+    return web.json_response(endpoint_row(state, endpoint, time.monotonic()))
+
+
+@_admin
+async def drain_endpoint(state: GatewayState, request: web.Request) -> web.Response:
+    return await _set_draining(state, request, True)
+
+
+@_admin
+async def undrain_endpoint(state: GatewayState, request: web.Request) -> web.Response:
+    return await _set_draining(state, request, False)
+
+
+@_admin
+async def remove_endpoint(state: GatewayState, request: web.Request) -> web.Response:
+    body = await _json_body(request) if request.can_read_body else {}
+    endpoint = _target(state, request, body)
+    owner = state.membership.source_of(endpoint.url)
+    if owner != ADMIN_SOURCE:
+        raise Conflict(f"endpoint {endpoint.url} comes from {owner}; change that source, or drain it here")
+    remaining = [c for c in state.membership.endpoints_of(ADMIN_SOURCE) if c.url != endpoint.url]
+    state.membership.apply(ADMIN_SOURCE, remaining)
+    row = endpoint_row(state, endpoint, time.monotonic())
+    return web.json_response({"removed": row})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/endpoints", list_endpoints)
+    app.router.add_post("/admin/endpoints", add_endpoint)
+    app.router.add_delete("/admin/endpoints", remove_endpoint)
+    app.router.add_post("/admin/endpoints/drain", drain_endpoint)
+    app.router.add_post("/admin/endpoints/undrain", undrain_endpoint)

@@ -1,0 +1,137 @@
+"""HTTP handlers: thin. Parse → check the model → schedule → proxy; operations endpoints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.errors import ModelNotFound, NoHealthyEndpoint
+from gateway.fleet.endpoint import Endpoint
+from gateway.http.access_log import INFERENCE_REQUEST
+from gateway.http.admin import endpoint_row, require_admin_key
+from gateway.http.middleware import REQUEST_ID
+from gateway.http.openapi import serve_openapi
+from gateway.http.state import STATE, GatewayState
+from gateway.request.parse import parse_request
+from gateway.request.types import ApiKind, InferenceRequest, RouteTrace
+
+__all__ = ["add_routes"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _inference_handler(api: ApiKind) -> Handler:
+    async def handle(http_request: web.Request) -> web.StreamResponse:
+        state = http_request.app[STATE]
+        auth = state.auth
+        tenant = await auth.authenticate(http_request.headers) if auth is not None else None
+        request = parse_request(
+            api,
+            await http_request.read(),
+            request_id=http_request[REQUEST_ID],
+            headers=http_request.headers,
+            options=state.parse_options,
+        )
+        http_request[INFERENCE_REQUEST] = request
+        limit_headers: dict[str, str] = {}
+        charged = 0
+        if tenant is not None:
+            auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
+            decision, charged = await auth.limit(tenant, request)
+            limit_headers = decision.headers()
+        failed = True
+        try:
+            response = await _route(state, http_request, request, limit_headers)
+            failed = response.status >= 400
+            return response
+        finally:
+            if tenant is not None:
+                auth.settle_later(tenant, charged, request, failed)
+
+    return handle
+
+
+async def _route(
+    state: GatewayState, http_request: web.Request, request: InferenceRequest, extra: dict[str, str]
+) -> web.StreamResponse:
+    """Admission, scheduling and the proxy, for a request that passed authentication and limits."""
+    _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
+    ticket = await state.admission.admit(request)
+    try:
+        candidates = _candidates(state, request.model)  # the model may have been degraded
+        routing = state.routing  # read once: a reload mid-request must not mix two policies
+        result = await routing.scheduler.schedule(request, candidates)
+        if state.access_log.enabled:
+            request.context.route = RouteTrace(result.primary_profile, round(result.ranked[0].score, 4))
+        extra = {"x-request-id": request.request_id, **extra}
+        if ticket.degraded:
+            extra["x-gateway-degraded"] = ticket.degraded
+        if request.debug:
+            extra["x-gateway-scores"] = result.explain()
+        assert state.proxy is not None
+        return await state.proxy.forward(http_request, request, result, extra, routing.hooks)
+    finally:
+        state.admission.release(ticket)
+
+
+def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
+    candidates = state.registry.candidates(model)
+    if not candidates:
+        if not state.registry.is_known_model(model):
+            raise ModelNotFound(f"The model {model!r} does not exist", param="model")
+        raise NoHealthyEndpoint(f"no healthy endpoint serves model {model!r}")
+    return candidates
+
+
+async def list_models(http_request: web.Request) -> web.Response:
+    """Models with a healthy endpoint; with auth on, only those the caller's key may use."""
+    state = http_request.app[STATE]
+    models = state.registry.healthy_models()
+    if state.auth is not None:
+        tenant = await state.auth.authenticate(http_request.headers)
+        models = [m for m in models if tenant.allows_model(m)]
+    data = [{"id": model, "object": "model", "created": 0, "owned_by": "llm-gateway"} for model in models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(http_request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(http_request: web.Request) -> web.Response:
+    """503 with no healthy endpoint, and while shutting down (so load balancers stop sending)."""
+    state = http_request.app[STATE]
+    healthy = sum(1 for e in state.registry if e.healthy)
+    is_ready = healthy > 0 and not state.shutting_down
+    body = {"ready": is_ready, "healthy_endpoints": healthy, "shutting_down": state.shutting_down}
+    return web.json_response(body, status=200 if is_ready else 503)
+
+
+async def metrics(http_request: web.Request) -> web.Response:
+    registry = http_request.app[STATE].metrics.registry
+    body = generate_latest(registry)
+    return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+async def endpoints_status(http_request: web.Request) -> web.Response:
+    """Read-only view of what the gateway believes about each endpoint (debugging aid)."""
+    state = http_request.app[STATE]
+    if state.auth is not None:  # with auth on, fleet internals are for the admin key only
+        require_admin_key(state, http_request)
+    now = time.monotonic()
+    return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", _inference_handler(ApiKind.CHAT))
+    app.router.add_post("/v1/completions", _inference_handler(ApiKind.COMPLETIONS))
+    app.router.add_post("/v1/embeddings", _inference_handler(ApiKind.EMBEDDINGS))
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/endpoints", endpoints_status)
+    app.router.add_get("/openapi.json", serve_openapi)

@@ -1,0 +1,53 @@
+"""The objects one gateway app wires together, reachable from handlers through one AppKey."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.admission.queue import AdmissionController
+from gateway.config import GatewayConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.health import HealthTracker
+from gateway.fleet.membership import FleetMembership
+from gateway.fleet.registry import EndpointRegistry
+from gateway.http.access_log import AccessLog
+from gateway.http.routing import Routing
+from gateway.ops.metrics import GatewayMetrics
+from gateway.prefix.cache import PrefixCache
+from gateway.proxy.forward import Proxy
+from gateway.proxy.resilience import CircuitBreakers
+from gateway.request.parse import ParseOptions
+from gateway.scheduling.framework import PluginContext
+from gateway.scheduling.registry import PluginRegistry
+from gateway.sessions.affinity import SessionAffinity
+
+__all__ = ["STATE", "GatewayState"]
+
+
+@dataclass(slots=True)
+class GatewayState:
+    config: GatewayConfig
+    registry: EndpointRegistry
+    metrics: GatewayMetrics
+    routing: Routing  # the policy and its hook chains; a reload swaps both in one assignment
+    prefix: PrefixCache
+    sessions: SessionAffinity
+    admission: AdmissionController
+    parse_options: ParseOptions
+    access_log: AccessLog
+    breakers: CircuitBreakers
+    health: HealthTracker
+    membership: FleetMembership
+    plugin_registry: PluginRegistry
+    plugin_context: PluginContext
+    proxy: Proxy | None = None  # set once the client session exists (app startup)
+    probe: Callable[[list[Endpoint]], Awaitable[None]] | None = None  # health-check these now
+    auth: Any = None  # gateway.auth wiring (TenantAuth) when auth is enabled
+    shutting_down: bool = False  # SIGTERM received: /ready says 503 while in-flight work drains
+
+
+STATE: web.AppKey[GatewayState] = web.AppKey("gateway_state", GatewayState)

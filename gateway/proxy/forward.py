@@ -1,0 +1,415 @@
+"""Sends a scheduled request upstream and streams the answer back, chunk by chunk.
+
+Rules:
+- connect failure or 5xx *before the first byte* → re-send to the next-best endpoint
+  (never the same one), up to ``limits.retries`` times, within the retry budget;
+- after the first byte the response is committed: an upstream failure ends the SSE
+  stream with an error event and ``data: [DONE]`` instead of hanging;
+- a client disconnect cancels the handler (``handler_cancellation``); ``finally``
+  closes the upstream connection, which makes the engine abort the request and free
+  its KV blocks, and the hook chain releases every counter.
+
+The body sent upstream is the client's body as parsed (the handler may have rewritten
+fields, e.g. the engine priority; a P/D decode leg adds the transfer parameters).
+Everything done *because* an attempt went to an endpoint lives in the hook chain
+(:mod:`gateway.proxy.hooks`); this module only moves bytes and decides retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from gateway.config import LimitConfig, TimeoutConfig
+from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
+from gateway.proxy.pd import PDCoordinator
+from gateway.proxy.resilience import CircuitBreakers, RetryBudget, backoff_s
+from gateway.proxy.sse import aborted, error_event, extract_usage, read_past_role_chunk
+from gateway.proxy.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
+from gateway.request.types import InferenceRequest
+from gateway.scheduling.result import SchedulingResult
+
+__all__ = ["STREAM_STARTED", "Proxy", "ProxySettings"]
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# Set on the aiohttp request once response headers went out: from then on no error
+# response can be sent, only an in-band SSE error event.
+STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
+
+# Retry reasons that say nothing against the endpoint tried: its prefill partner failed,
+# or it was already ejected while the request waited.
+_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected"})
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What a config reload may change; requests already running keep the values they started with."""
+
+    timeouts: TimeoutConfig
+    limits: LimitConfig
+    retry_budget: RetryBudget
+    retry_backoff_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    started: float  # time.monotonic() at arrival, for latency metrics
+    deadline: float  # loop time by which the whole request must end
+    settings: ProxySettings
+    hooks: RequestHooks
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, response: web.Response | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response
+
+
+class Proxy:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        settings: ProxySettings,
+        metrics: GatewayMetrics,
+        breakers: CircuitBreakers,
+        pd: PDCoordinator,
+    ) -> None:
+        self._client = client
+        self.settings = settings
+        self._metrics = metrics
+        self._breakers = breakers
+        self._pd = pd
+
+    def reconfigure(self, settings: ProxySettings) -> None:
+        """Hot reload: the next request uses ``settings``."""
+        self.settings = settings
+
+    async def forward(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        result: SchedulingResult,
+        extra_headers: dict[str, str],
+        hooks: HookSet,
+    ) -> web.StreamResponse:
+        settings = self.settings
+        ranked = [s.endpoint for s in result.ranked]
+        attempts = ranked[: 1 + settings.limits.retries]
+        last_failure: _Retryable | None = None
+        loop = asyncio.get_running_loop()
+        # One hard deadline for the whole request; every wait below is capped by it,
+        # so a committed stream still ends cleanly (error event + [DONE]) at the limit.
+        attempt = _Attempt(time.monotonic(), loop.time() + settings.timeouts.total_s, settings, hooks.attempt)
+        prefill = result.prefill_ranked
+        self._count_pd_decision(request, prefill is not None)
+        # A failed prefill leg is not the decode replica's fault: the pair is re-sent with
+        # the same decode replica and the next prefill replica (or decode-only at the end).
+        budget = len(attempts) + (len(prefill) if prefill else 0)
+        settings.retry_budget.record_request()
+        index = 0
+        retry_number = 0
+        while index < len(attempts) and budget > 0:
+            endpoint = attempts[index]
+            budget -= 1
+            if last_failure is not None:
+                if not await self._may_retry(attempt, retry_number := retry_number + 1):
+                    break
+                self._metrics.retries.labels(last_failure.reason).inc()
+                log.info(
+                    "request %s: retrying on %s (%s)", request.request_id, endpoint.name, last_failure.reason
+                )
+            leg = None
+            if prefill is not None:  # a fresh prefill for every decode attempt
+                leg = await self._pd.prepare(
+                    request, [s.endpoint for s in prefill], settings.limits.retries, hooks.prefill
+                )
+            try:
+                body = leg.decode_body if leg is not None else request.raw_body
+                return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
+            except _Retryable as failure:
+                last_failure = failure
+                if failure.reason != "prefill_failed":
+                    index += 1
+            finally:
+                await self._pd.finish(leg)
+        assert last_failure is not None
+        if last_failure.response is not None:
+            return last_failure.response  # the last upstream's own 5xx, passed through
+        raise EndpointUnavailable(
+            f"no endpoint could be reached for model {request.model!r} ({last_failure.reason})",
+            code="upstream_unavailable",
+        )
+
+    async def _may_retry(self, attempt: _Attempt, retry_number: int) -> bool:
+        """Spend from the retry budget, then back off (full jitter) within the deadline."""
+        if not attempt.settings.retry_budget.try_spend():
+            self._metrics.retry_budget_exhausted.inc()
+            return False
+        if attempt.settings.retry_backoff_s > 0:
+            loop = asyncio.get_running_loop()
+            delay = min(
+                backoff_s(attempt.settings.retry_backoff_s, retry_number), attempt.deadline - loop.time()
+            )
+            if delay > 0:
+                await asyncio.sleep(delay)
+        return True
+
+    def _count_pd_decision(self, request: InferenceRequest, disaggregated: bool) -> None:
+        decision = request.context.pd_decision
+        if decision is not None:
+            mode = "disaggregated" if disaggregated else "decode_only"
+            self._metrics.child(self._metrics.pd_decisions, mode, decision.reason).inc()
+
+    async def _attempt(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        endpoint: Endpoint,
+        extra_headers: dict[str, str],
+        attempt: _Attempt,
+        body: bytes,
+    ) -> web.StreamResponse:
+        hooks = attempt.hooks
+        hooks.on_send(request, endpoint)
+        request.context.endpoint = endpoint.name
+        ok = False
+        verdict: str | None = None  # "ok", or the endpoint's failure; None: not its fault
+        upstream: UpstreamResponse | None = None
+        try:
+            upstream = await self._unless_prefill_fails(request, self._open(request, endpoint, attempt, body))
+            headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
+            hooks.on_headers(request, endpoint, headers)
+            if upstream.status >= 500:
+                raise await self._server_error(endpoint, upstream, headers, attempt)
+            if request.stream and upstream.status == 200:
+                response, complete = await self._stream(
+                    http_request, request, endpoint, upstream, headers, attempt
+                )
+            else:
+                response = await self._buffered(request, endpoint, upstream, headers, attempt)
+                complete = True
+            ok = complete and upstream.status < 400
+            verdict = "ok" if complete else "mid_stream"
+            self._metrics.child(
+                self._metrics.requests, request.model, endpoint.name, str(response.status)
+            ).inc()
+            return response
+        except _Retryable as failure:
+            if failure.reason not in _NOT_THE_ENDPOINTS_FAULT:
+                verdict = failure.reason
+            raise
+        except UpstreamTimeout:
+            verdict = "timeout"
+            raise
+        except UpstreamError:
+            verdict = "upstream_error"
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
+            raise
+        finally:
+            if upstream is not None:
+                # Not a clean end (error, timeout, client gone): close the socket so the
+                # engine sees the disconnect and frees the request's KV cache.
+                if ok:
+                    upstream.release()
+                else:
+                    upstream.close()
+            hooks.on_done(request, endpoint, Outcome(ok, verdict))
+
+    def _wait_limit(self, attempt: _Attempt, budget_s: float) -> float:
+        """Absolute loop time to stop waiting: ``budget_s`` from now, never past the deadline."""
+        return min(asyncio.get_running_loop().time() + budget_s, attempt.deadline)
+
+    async def _open(
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
+    ) -> UpstreamResponse:
+        headers = {"content-type": "application/json", "x-request-id": request.request_id}
+        if endpoint.auth_header is not None:
+            headers["authorization"] = endpoint.auth_header
+        wait = None
+        first_byte_s = attempt.settings.timeouts.first_byte_s
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, first_byte_s)) as limit:
+                with self._breakers.first_byte_wait(endpoint, limit, queued=True) as wait:
+                    return await self._client.post(
+                        endpoint.url, request.api.upstream_path, body, headers, on_slot=wait.restart
+                    )
+        except TimeoutError:
+            if wait is not None and wait.aborted is not None:
+                raise _Retryable(wait.aborted) from None  # ejected while we waited: re-send elsewhere
+            self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
+            raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
+        except ConnectFailed as exc:
+            self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
+            raise _Retryable("connect") from exc
+        except ConnectionLost as exc:  # accepted, then closed before any response byte
+            self._metrics.upstream_errors.labels(endpoint.name, "disconnected").inc()
+            raise _Retryable("disconnected") from exc
+
+    async def _server_error(
+        self,
+        endpoint: Endpoint,
+        upstream: UpstreamResponse,
+        headers: dict[str, str],
+        attempt: _Attempt,
+    ) -> _Retryable:
+        """A 5xx before the first byte: retryable; keep its body to pass on if no retry succeeds."""
+        reason = f"http_{upstream.status}"
+        self._metrics.upstream_errors.labels(endpoint.name, reason).inc()
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)):
+                body = await upstream.read()
+        except (TimeoutError, ConnectionLost):
+            return _Retryable(reason)  # its body stalled or broke: nothing worth passing on
+        headers["content-type"] = upstream.content_type
+        return _Retryable(reason, web.Response(status=upstream.status, body=body, headers=headers))
+
+    async def _buffered(
+        self,
+        request: InferenceRequest,
+        endpoint: Endpoint,
+        upstream: UpstreamResponse,
+        headers: dict[str, str],
+        attempt: _Attempt,
+    ) -> web.Response:
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)):
+                body = await upstream.read()
+        except TimeoutError:
+            raise UpstreamTimeout("upstream response body timed out") from None
+        except ConnectionLost as exc:
+            raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
+        if upstream.status == 200 and b'"abort"' in body and aborted(body):
+            # vLLM shutting down answers in-flight requests 200 with finish_reason "abort" and
+            # a truncated text. Nothing reached the client yet: re-send it elsewhere.
+            self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
+            raise _Retryable("aborted")
+        attempt.hooks.on_first_byte(request, endpoint)
+        request.context.ttft_ms = round((time.monotonic() - attempt.started) * 1000, 2)
+        if upstream.status == 200:
+            self._report_usage(request, endpoint, attempt, body[-2048:])
+        headers["content-type"] = upstream.content_type  # passed through verbatim, charset included
+        response = web.Response(status=upstream.status, body=body, headers=headers)
+        elapsed = time.monotonic() - attempt.started
+        self._metrics.child(self._metrics.ttft, request.model).observe(elapsed)
+        self._metrics.child(self._metrics.e2e, request.model).observe(elapsed)
+        return response
+
+    async def _stream(
+        self,
+        http_request: web.Request,
+        request: InferenceRequest,
+        endpoint: Endpoint,
+        upstream: UpstreamResponse,
+        headers: dict[str, str],
+        attempt: _Attempt,
+    ) -> tuple[web.StreamResponse, bool]:
+        """Pipe the SSE stream; returns the response and whether it ended cleanly.
+
+        The client's response is committed only when the first chunk is in hand: until
+        then a broken upstream (or, for SGLang P/D, a failed prefill leg) is retryable.
+        """
+        first_chunk = await self._first_chunk(request, endpoint, upstream, attempt)
+        headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
+        headers["cache-control"] = "no-cache"
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(http_request)
+        http_request[STREAM_STARTED] = True
+        context = request.context
+        first = True
+        pending_first = first_chunk
+        failure: str | None = None
+        read_chunk = upstream.readany
+        timeouts = attempt.settings.timeouts
+        idle_s = timeouts.idle_s
+        previous = last = b""  # the usage object sits in the last chunks of the stream
+        try:
+            async with asyncio.timeout_at(self._wait_limit(attempt, timeouts.first_byte_s)) as limit:
+                while True:
+                    if pending_first is not None:
+                        chunk, pending_first = pending_first, None
+                    else:
+                        try:
+                            chunk = await read_chunk()
+                        except ConnectionLost as exc:
+                            failure = f"upstream stream broke: {exc}"
+                            break
+                    if not chunk:
+                        break
+                    await response.write(chunk)  # a client that left raises here, on purpose
+                    context.streamed_chunks += chunk.count(b"data:")
+                    previous, last = last, chunk
+                    if first:
+                        first = False
+                        ttft = time.monotonic() - attempt.started
+                        self._metrics.child(self._metrics.ttft, request.model).observe(ttft)
+                        context.ttft_ms = round(ttft * 1000, 2)
+                        attempt.hooks.on_first_byte(request, endpoint)
+                    limit.reschedule(self._wait_limit(attempt, idle_s))
+        except TimeoutError:
+            failure = "upstream stalled: no data within the idle or total timeout"
+        if failure is not None:
+            log.warning("request %s: %s", request.request_id, failure)
+            self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
+            await response.write(error_event(failure, mid_event=bool(last) and not last.endswith(b"\n\n")))
+        else:
+            self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
+        await response.write_eof()
+        self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
+        return response, failure is None
+
+    async def _first_chunk(
+        self, request: InferenceRequest, endpoint: Endpoint, upstream: UpstreamResponse, attempt: _Attempt
+    ) -> bytes:
+        wait = None
+        try:
+            limit_at = self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)
+            async with asyncio.timeout_at(limit_at) as limit:
+                with self._breakers.first_byte_wait(endpoint, limit) as wait:
+                    return await self._unless_prefill_fails(request, read_past_role_chunk(request, upstream))
+        except TimeoutError:
+            if wait is not None and wait.aborted is not None:
+                raise _Retryable(wait.aborted) from None
+            raise UpstreamTimeout("upstream sent headers but no data in time") from None
+        except ConnectionLost as exc:
+            raise _Retryable("disconnected") from exc
+
+    async def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> T:
+        """Await ``wait``, unless a concurrent SGLang prefill leg fails first: then re-send the pair."""
+        pd = request.context.pd
+        leg = pd.leg if pd is not None else None
+        prefill = leg.task if leg is not None else None
+        if prefill is None or prefill.done():
+            return await wait
+        waiting = asyncio.ensure_future(wait)
+        try:
+            await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done() and leg is not None and leg.failed:
+                raise _Retryable("prefill_failed")
+            return await waiting
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+
+    def _report_usage(
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, tail: bytes
+    ) -> None:
+        usage = extract_usage(tail)
+        if usage is not None:
+            request.context.usage = usage
+            attempt.hooks.on_usage(request, endpoint, usage)

@@ -1,0 +1,206 @@
+"""Prefill/decode disaggregation on the wire: the engines' own protocols.
+
+- **vLLM NixlConnector**: leg 1 sends the prompt to a prefill replica with
+  ``max_tokens: 1``, ``stream: false`` and ``kv_transfer_params.do_remote_decode``; its
+  answer carries ``kv_transfer_params`` (engine id, block ids, host, port) that leg 2
+  hands to the decode replica with the client's original body, so the decode replica
+  pulls the KV blocks instead of recomputing the prompt.
+- **SGLang bootstrap**: both replicas get the same body plus ``bootstrap_host``,
+  ``bootstrap_port`` (the prefill replica's) and a random 63-bit ``bootstrap_room``,
+  concurrently; the decode replica streams.
+
+A disaggregation that silently degrades — a prefill answer without transfer params, or
+(``PDHook``) a decode replica whose usage shows it recomputed the prompt — is counted and
+logged: users otherwise lose the benefit of P/D without noticing.
+
+A prefill leg runs the prefill hook chain (in-flight and prefix accounting, the same
+hooks as every decode attempt), so the prefill replica's load is seen at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.config import PDConfig
+from gateway.errors import UpstreamError
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.hooks import Outcome, RequestHooks
+from gateway.proxy.upstream import ConnectFailed, ConnectionLost, UpstreamClient
+from gateway.request.types import InferenceRequest
+
+__all__ = ["PDCoordinator", "PDLeg", "PDState"]
+
+log = logging.getLogger(__name__)
+
+_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+_EMPTY_TRANSFER = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(slots=True)
+class PDLeg:
+    """What the prefill leg produced for one decode attempt."""
+
+    decode_body: bytes
+    prefill_endpoint: Endpoint
+    prefill_done_at: float | None = None  # monotonic; None while an SGLang prefill runs
+    task: asyncio.Task[None] | None = None  # SGLang: the concurrent prefill request
+    failed: bool = False  # SGLang: the concurrent prefill failed
+
+
+@dataclass(slots=True)
+class PDState:
+    """A disaggregated request's prefill legs, in its context."""
+
+    leg: PDLeg | None = None  # the leg of the current decode attempt
+    failed_prefill: set[Endpoint] = field(default_factory=set)  # prefill endpoints that failed it
+
+
+class PDCoordinator:
+    def __init__(self, client: UpstreamClient, config: PDConfig, metrics: GatewayMetrics) -> None:
+        self._client = client
+        self._config = config
+        self._metrics = metrics
+
+    async def prepare(
+        self,
+        request: InferenceRequest,
+        prefill_ranked: Sequence[Endpoint],
+        retries: int,
+        hooks: RequestHooks,
+    ) -> PDLeg | None:
+        """Run (vLLM) or start (SGLang) the prefill leg; None means decode-only (fallback).
+
+        The leg becomes ``request.context.pd.leg`` (None when decode-only)."""
+        state = request.context.pd
+        if state is None:
+            state = request.context.pd = PDState()
+        state.leg = None
+        untried = [e for e in prefill_ranked if e not in state.failed_prefill]
+        for endpoint in untried[: 1 + retries]:
+            if self._config.protocol == "sglang":
+                state.leg = self._start_sglang(request, endpoint, hooks)
+                return state.leg
+            leg = await self._vllm_prefill(request, endpoint, hooks)
+            if leg is not None:
+                state.leg = leg
+                return leg
+            state.failed_prefill.add(endpoint)
+        if not self._config.fallback_to_decode:
+            raise UpstreamError("prefill failed on every prefill replica", code="prefill_failed")
+        self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_failed").inc()
+        log.warning("request %s: prefill failed everywhere; serving decode-only", request.request_id)
+        return None
+
+    # -- vLLM NixlConnector -------------------------------------------------------------
+    def _vllm_prefill_body(self, request: InferenceRequest) -> bytes:
+        body = {k: v for k, v in request.body.items() if k not in _PREFILL_DROP}
+        body["stream"] = False
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["kv_transfer_params"] = dict(_EMPTY_TRANSFER)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def _vllm_prefill(
+        self, request: InferenceRequest, endpoint: Endpoint, hooks: RequestHooks
+    ) -> PDLeg | None:
+        started = time.monotonic()
+        payload = await self._post(request, endpoint, self._vllm_prefill_body(request), hooks)
+        if payload is None:
+            return None
+        try:
+            params = json.loads(payload).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            self._degraded(request, "no_transfer_params", endpoint)
+            return None
+        self._metrics.child(self._metrics.pd_leg_duration, "prefill").observe(time.monotonic() - started)
+        body = dict(request.body)
+        body["kv_transfer_params"] = params
+        decode_body = json.dumps(body, separators=(",", ":")).encode()
+        return PDLeg(decode_body, endpoint, prefill_done_at=time.monotonic())
+
+    async def _post(
+        self, request: InferenceRequest, endpoint: Endpoint, body: bytes, hooks: RequestHooks
+    ) -> bytes | None:
+        """One prefill request, run through the prefill hook chain (the replica's accounting)."""
+        hooks.on_send(request, endpoint)
+        response = None
+        ok = False
+        try:
+            async with asyncio.timeout(self._config.prefill_timeout_s):
+                response = await self._client.post(
+                    endpoint.url, request.api.upstream_path, body, {"x-request-id": request.request_id}
+                )
+                payload = await response.read()
+            if response.status != 200:
+                self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
+                return None
+            response.release()
+            response = None
+            ok = True
+            return payload
+        except TimeoutError:
+            self._metrics.child(self._metrics.pd_prefill_failures, "timeout").inc()
+            return None
+        except (ConnectFailed, ConnectionLost):
+            self._metrics.child(self._metrics.pd_prefill_failures, "connect").inc()
+            return None
+        finally:
+            if response is not None:
+                response.close()
+            hooks.on_done(request, endpoint, Outcome(ok=ok, verdict="ok" if ok else None))
+
+    # -- SGLang bootstrap ---------------------------------------------------------------
+    def _start_sglang(self, request: InferenceRequest, endpoint: Endpoint, hooks: RequestHooks) -> PDLeg:
+        body = dict(request.body)
+        body["bootstrap_host"] = urlsplit(endpoint.url).hostname
+        body["bootstrap_port"] = endpoint.bootstrap_port
+        body["bootstrap_room"] = secrets.randbits(63)
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        leg = PDLeg(raw, endpoint)
+        leg.task = asyncio.get_running_loop().create_task(self._sglang_prefill(request, leg, hooks))
+        return leg
+
+    async def _sglang_prefill(self, request: InferenceRequest, leg: PDLeg, hooks: RequestHooks) -> None:
+        started = time.monotonic()
+        prefill_body = json.loads(leg.decode_body)
+        prefill_body["stream"] = False
+        prefill_body.pop("stream_options", None)
+        payload = await self._post(request, leg.prefill_endpoint, json.dumps(prefill_body).encode(), hooks)
+        if payload is None:
+            leg.failed = True
+            if request.context.pd is not None:
+                request.context.pd.failed_prefill.add(leg.prefill_endpoint)
+            self._degraded(request, "prefill_failed", leg.prefill_endpoint)
+            return
+        leg.prefill_done_at = time.monotonic()
+        self._metrics.child(self._metrics.pd_leg_duration, "prefill").observe(leg.prefill_done_at - started)
+
+    def _degraded(self, request: InferenceRequest, reason: str, endpoint: Endpoint) -> None:
+        self._metrics.child(self._metrics.pd_degraded, reason).inc()
+        log.warning(
+            "request %s: P/D degraded (%s) with prefill replica %s", request.request_id, reason, endpoint.name
+        )
+
+    async def finish(self, leg: PDLeg | None) -> None:
+        """Cancel an SGLang prefill still running (client gone, decode failed)."""
+        if leg is not None and leg.task is not None and not leg.task.done():
+            leg.task.cancel()
+            await asyncio.gather(leg.task, return_exceptions=True)

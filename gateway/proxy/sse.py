@@ -1,0 +1,98 @@
+"""What the proxy reads out of an answer without parsing it all: SSE events, usage, aborts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from gateway.errors import error_body
+from gateway.proxy.upstream import UpstreamResponse
+from gateway.request.types import ApiKind, InferenceRequest, Usage
+
+__all__ = ["SSE_DONE", "aborted", "error_event", "extract_usage", "read_past_role_chunk"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_MAX_HELD_BYTES = 16384
+
+
+def extract_usage(payload: bytes) -> Usage | None:
+    """The last ``usage`` counts in the tail of a response, found by regex (no full parse)."""
+    prompt = _PROMPT_TOKENS.findall(payload)
+    if not prompt:
+        return None
+    cached = _CACHED_TOKENS.findall(payload)
+    completion = _COMPLETION_TOKENS.findall(payload)
+    return Usage(
+        prompt_tokens=int(prompt[-1]),
+        completion_tokens=int(completion[-1]) if completion else 0,
+        cached_tokens=int(cached[-1]) if cached else 0,
+    )
+
+
+def error_event(message: str, *, mid_event: bool) -> bytes:
+    """An in-band SSE error and ``[DONE]``; first ends an event the upstream left half-written,
+    so the client's parser sees a broken event and then a well-formed error, not one glued line."""
+    event = error_body(message, "upstream_error", "upstream_stream_error")
+    prefix = b"\n\n" if mid_event else b""
+    return prefix + b"data: " + json.dumps(event).encode() + b"\n\n" + SSE_DONE
+
+
+async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResponse) -> bytes:
+    """The first chunk of a stream; for chat, held until it carries more than the role.
+
+    vLLM and SGLang open a chat stream with ``delta: {"role": "assistant", "content": ""}``
+    before any token exists. Committing the client's response on that chunk would make
+    a replica dying during prefill a mid-stream failure; holding it keeps the request
+    retryable until a real token (or the end) arrives.
+    """
+    chunk = await upstream.readany()
+    if request.api is not ApiKind.CHAT or b'"role"' not in chunk or not _only_role(chunk):
+        return chunk
+    held = bytearray(chunk)
+    while len(held) < _MAX_HELD_BYTES:
+        more = await upstream.readany()
+        if not more:
+            break
+        held += more
+        if not _only_role(bytes(held)):
+            break
+    return bytes(held)
+
+
+def _only_role(buffer: bytes) -> bool:
+    """True while every complete SSE event so far is a role-only chat delta (nothing to show yet)."""
+    *events, _incomplete_tail = buffer.split(b"\n\n")
+    for event in events:
+        event = event.strip()
+        if not event.startswith(b"data:"):
+            return False
+        try:
+            payload = json.loads(event[5:])
+        except ValueError:
+            return False
+        if not isinstance(payload, dict) or payload.get("usage"):
+            return False
+        for choice in payload.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+                return False
+            delta = choice.get("delta")
+            if not isinstance(delta, dict) or any(v for k, v in delta.items() if k != "role"):
+                return False
+    return True
+
+
+def aborted(body: bytes) -> bool:
+    """Every choice of a completed (non-streamed) response ended with ``finish_reason: "abort"``."""
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return False
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    )

@@ -1,0 +1,396 @@
+"""A lean HTTP/1.1 keep-alive client for the request hot path: per-endpoint connection pools.
+
+Why not aiohttp's ClientSession here: profiling the proxy against a zero-work upstream
+put a quarter of the gateway's CPU in ClientSession's request machinery (cookie jar,
+header and URL objects, tracing hooks) that a proxy to a fixed set of model servers
+never needs. This client writes one pre-built request, parses the response with
+``httptools`` (llhttp, the parser uvicorn uses: chunked decoding, keep-alive rules),
+and hands body chunks over as they arrive, with read-side back-pressure.
+
+Contract used by :mod:`gateway.proxy.forward`:
+
+- :class:`ConnectFailed`: nothing reached the endpoint (refused, unreachable, connect
+  timeout) — safe to send elsewhere;
+- :class:`ConnectionLost`: the connection broke; ``before_response`` tells whether any
+  response byte had arrived (if not, the request may be re-sent elsewhere);
+- :meth:`UpstreamResponse.close` aborts the socket, which is how a replica learns that a
+  client went away and frees the request's KV cache;
+- a stale pooled connection that the server closed while idle is retried once on a
+  fresh connection, transparently.
+
+Health checks and metric scrapes, which are rare, still use aiohttp's client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = [
+    "ConnectFailed",
+    "ConnectionLost",
+    "UpstreamClient",
+    "UpstreamResponse",
+]
+
+_HIGH_WATER = 512 * 1024  # buffered body bytes before we stop reading from the socket
+_LOW_WATER = 64 * 1024
+
+
+class UpstreamClientError(Exception):
+    pass
+
+
+class ConnectFailed(UpstreamClientError):
+    """The endpoint could not be reached; the request was not sent."""
+
+
+class ConnectionLost(UpstreamClientError):
+    def __init__(self, message: str, *, before_response: bool) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+
+
+class UpstreamResponse:
+    """Status and headers of an upstream response, and its body as it arrives."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_done",
+        "_error",
+        "_on_end",
+        "_waiter",
+        "headers",
+        "status",
+    )
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._on_end: asyncio.Semaphore | None = None  # the pool slot this request holds
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._error: ConnectionLost | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "application/octet-stream")
+
+    # -- fed by the protocol ----------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER:
+            self._conn.pause_reading()
+        self._wake()
+
+    def _finish(self, error: ConnectionLost | None = None) -> None:
+        self._done = True
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- consumer API -----------------------------------------------------------------
+    async def readany(self) -> bytes:
+        """The next body bytes as they arrived (possibly several chunks joined); b"" at the end."""
+        while not self._chunks:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
+        self._buffered -= len(data)
+        if self._buffered < _LOW_WATER:
+            self._conn.resume_reading()
+        return data
+
+    def _drain(self) -> list[bytes]:
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        return chunks
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """The body was read to the end: keep the connection for the next request if allowed."""
+        self._conn.finished(self)
+        self._end()
+
+    def close(self) -> None:
+        """Abort the connection now (the upstream sees the client go away)."""
+        self._conn.abort()
+        self._end()
+
+    def _end(self) -> None:
+        slot, self._on_end = self._on_end, None
+        if slot is not None:
+            slot.release()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; serves one request at a time."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self._pool = pool
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: UpstreamResponse | None = None
+        self._headers_ready: asyncio.Future[None] | None = None
+        self._header_name = b""
+        self._paused = False
+        self._complete = False
+        self._keep_alive = False
+        self.closed = False
+        self.requests_served = 0
+        self.idle_since = time.monotonic()
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the Transport interface without subclassing it.
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # pragma: no cover - we never ask for upgrades
+            self._fail("unexpected protocol upgrade")
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed upstream response: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.forget(self)
+        self._fail(f"upstream closed the connection{f': {exc}' if exc else ''}")
+
+    # -- httptools callbacks ----------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self._response
+        if response is not None:
+            response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        if response is None:
+            return
+        response.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        if self._headers_ready is not None and not self._headers_ready.done():
+            self._headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        if self._response is not None:
+            self._response._finish()
+
+    # -- used by the pool and the response ----------------------------------------------
+    def _fail(self, message: str) -> None:
+        response = self._response
+        headers_ready = self._headers_ready
+        if headers_ready is not None and not headers_ready.done():
+            headers_ready.set_exception(ConnectionLost(message, before_response=True))
+        elif response is not None and not response._done:
+            response._finish(ConnectionLost(message, before_response=False))
+        if self._transport is not None and not self.closed:
+            self._transport.abort()
+
+    async def send(self, request: bytes) -> UpstreamResponse:
+        assert self._transport is not None
+        self._complete = False  # one parser per connection: llhttp handles keep-alive sequences
+        response = self._response = UpstreamResponse(self)
+        self._headers_ready = asyncio.get_running_loop().create_future()
+        self._transport.write(request)
+        try:
+            await self._headers_ready
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        self.requests_served += 1
+        return response
+
+    def pause_reading(self) -> None:
+        if not self._paused and self._transport is not None and not self.closed:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self._transport is not None and not self.closed:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def finished(self, response: UpstreamResponse) -> None:
+        if response is not self._response:
+            return
+        self._response = None
+        self._headers_ready = None
+        if self._complete and self._keep_alive and not self.closed:
+            self.resume_reading()
+            self.idle_since = time.monotonic()
+            self._pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self._response = None
+        if self._transport is not None and not self.closed:
+            self.closed = True
+            self._transport.abort()
+        self._pool.forget(self)
+
+
+class _Pool:
+    """Idle keep-alive connections to one endpoint, bounded in number."""
+
+    def __init__(self, host: str, port: int, limit: int, idle_timeout_s: float) -> None:
+        self.host = host
+        self.port = port
+        self._limit = limit
+        self._idle_timeout_s = idle_timeout_s
+        self._idle: deque[_Connection] = deque()
+        self._open: set[_Connection] = set()
+        self.slots = asyncio.Semaphore(limit) if limit else None  # requests in progress
+
+    def take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()  # most recently used: least likely closed by the server
+            if not conn.closed and now - conn.idle_since < self._idle_timeout_s:
+                return conn
+            conn.abort()
+        return None
+
+    async def connect(self, timeout_s: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except TimeoutError:
+            raise ConnectFailed(f"connect to {self.host}:{self.port} timed out after {timeout_s}s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+        self._open.add(conn)
+        return conn
+
+    def put(self, conn: _Connection) -> None:
+        self._idle.append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+
+    def close(self) -> None:
+        for conn in list(self._open) + list(self._idle):
+            conn.abort()
+        self._idle.clear()
+        self._open.clear()
+
+
+class UpstreamClient:
+    """POSTs to model servers over pooled keep-alive connections, one pool per endpoint."""
+
+    def __init__(self, *, connect_timeout_s: float, limit_per_endpoint: int, idle_timeout_s: float = 30.0):
+        self._connect_timeout_s = connect_timeout_s
+        self._limit = limit_per_endpoint
+        self._idle_timeout_s = idle_timeout_s
+        self._pools: dict[str, _Pool] = {}
+        self._prefixes: dict[tuple[str, str], bytes] = {}
+
+    def _pool(self, base_url: str) -> _Pool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http":
+                raise ConnectFailed(f"{base_url}: only http:// endpoints are supported by the fast client")
+            pool = _Pool(parts.hostname or "127.0.0.1", parts.port or 80, self._limit, self._idle_timeout_s)
+            self._pools[base_url] = pool
+        return pool
+
+    def _request_prefix(self, base_url: str, path: str) -> bytes:
+        key = (base_url, path)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            host = urlsplit(base_url).netloc
+            prefix = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
+            self._prefixes[key] = prefix
+        return prefix
+
+    async def post(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        on_slot: Callable[[], None] | None = None,
+    ) -> UpstreamResponse:
+        """Send the request; return once the response status and headers have arrived.
+
+        ``on_slot`` runs once a connection slot is held (waiting in the gateway's own pool
+        is not the endpoint's slowness).
+        """
+        pool = self._pool(base_url)
+        head = [self._request_prefix(base_url, path)]
+        for name, value in headers.items():
+            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        request = b"".join(head) + body
+        slot = pool.slots
+        if slot is not None:
+            await slot.acquire()  # held until the response is released or closed
+        if on_slot is not None:
+            on_slot()
+        try:
+            response = await self._send(pool, request)
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+        response._on_end = slot
+        return response
+
+    async def _send(self, pool: _Pool, request: bytes) -> UpstreamResponse:
+        conn = pool.take_idle()
+        if conn is not None:
+            try:
+                return await conn.send(request)
+            except ConnectionLost as exc:
+                if not exc.before_response:
+                    raise
+                # The server closed this idle connection as we reused it: nothing was
+                # processed, so one fresh connection is the standard remedy.
+        conn = await pool.connect(self._connect_timeout_s)
+        return await conn.send(request)
+
+    def remove(self, base_url: str) -> None:
+        pool = self._pools.pop(base_url, None)
+        if pool is not None:
+            pool.close()
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

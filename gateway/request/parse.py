@@ -1,0 +1,113 @@
+"""API request body → :class:`InferenceRequest`, parsed and validated exactly once.
+
+The pipeline of this stage: raw-body guards (:mod:`~gateway.request.guards`), field
+rules (:mod:`~gateway.request.fields`), prompt canonicalisation
+(:mod:`~gateway.request.prompt`), then the request's own fields: model, stream,
+session id, priority, tenant. The parsed body is kept; it is what the proxy sends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from gateway.errors import BadRequest
+from gateway.request.fields import check_fields
+from gateway.request.guards import load_object
+from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
+from gateway.request.types import CHARS_PER_TOKEN, ApiKind, InferenceRequest, Priority
+
+__all__ = ["DEFAULT_OPTIONS", "ParseOptions", "parse_request", "session_key"]
+
+_PRIORITY_NAMES = [p.value for p in Priority]
+
+
+@dataclass(frozen=True, slots=True)
+class ParseOptions:
+    """Where session, priority and tenant come from (configurable names), and the depth limit."""
+
+    session_header: str = "x-session-id"
+    session_body_fields: tuple[str, ...] = ("user",)
+    priority_header: str = "x-priority"
+    tenant_header: str = "x-tenant-id"
+    max_json_depth: int = 32
+
+
+DEFAULT_OPTIONS = ParseOptions()
+
+
+def session_key(client_id: str) -> str:
+    """A client's session id as stored: 32 hex digits whatever its length (a 1 MB ``user``
+    field must not become a 1 MB key in memory and in Redis)."""
+    return xxhash.xxh3_128_hexdigest(client_id.encode("utf-8", "surrogatepass"))
+
+
+def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
+    session_id = headers.get(options.session_header)
+    if session_id:
+        return session_key(session_id)
+    for field_name in options.session_body_fields:
+        value = body.get(field_name)
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return session_key(str(value))
+    return None
+
+
+def parse_request(
+    api: ApiKind,
+    raw_body: bytes,
+    *,
+    request_id: str,
+    headers: Mapping[str, str],
+    options: ParseOptions = DEFAULT_OPTIONS,
+) -> InferenceRequest:
+    body, numbers = load_object(raw_body, options.max_json_depth)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = bool(stream)
+    check_fields(api, body)
+
+    if api is ApiKind.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
+        prompt = canonical_chat_prompt(messages)
+    elif api is ApiKind.COMPLETIONS:
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", param="prompt")
+        prompt = text_or_tokens(body["prompt"], "prompt")
+    else:
+        prompt = text_or_tokens(body.get("input"), "input")
+        stream = False
+
+    priority_header = options.priority_header
+    name = headers.get(priority_header, "").strip().lower() or Priority.STANDARD
+    try:
+        priority = Priority(name)
+    except ValueError:
+        raise BadRequest(
+            f"header {priority_header}: {name!r} is not one of {_PRIORITY_NAMES}", param=priority_header
+        ) from None
+    numbers.check_all()
+    return InferenceRequest(
+        request_id=request_id,
+        api=api,
+        model=model,
+        body=body,
+        raw_body=raw_body,
+        stream=stream,
+        prompt_text=prompt,
+        est_prompt_tokens=max(1, len(prompt) // CHARS_PER_TOKEN),
+        session_id=_session_id(headers, body, options),
+        priority=priority,
+        tenant=headers.get(options.tenant_header) or "default",
+        debug=headers.get("x-gateway-debug") == "1",
+        headers=headers,
+    )
