@@ -2,9 +2,17 @@
 
 A replica is saturated when its waiting queue ≥ ``queue_depth_threshold`` or its KV
 utilisation ≥ ``kv_utilization_threshold`` (llm-d's utilisation detector defaults:
-5 and 0.8). The queue is the engine's scraped ``waiting`` plus the requests the
-gateway sent since that scrape *if* the engine was already queueing then — new
-arrivals join an existing queue, but a replica with free slots admits them.
+5 and 0.8). Both are estimates *now*, not at the last scrape, so that a burst from an
+idle fleet is seen from its first requests:
+
+- queue: the engine's scraped ``waiting`` plus what the gateway sent since that scrape
+  if the engine was already queueing then; and, once the replica's batch capacity is
+  known, everything the gateway has in flight beyond that capacity. The capacity is the
+  configured ``max_num_seqs``, else learned: the most requests the engine ran at a
+  scrape where others were waiting (only then is ``running`` its limit — learning from
+  any scrape would call a replica that merely has not been busy yet saturated);
+- KV: the scraped utilisation plus the prompt tokens sent since that scrape, against the
+  engine's KV size from ``cache_config_info``.
 
 Stale metrics are "unknown", never "saturated": a pool whose every replica is
 unknown is *not* saturated (fail open). llm-d once failed closed here and turned a
@@ -31,6 +39,18 @@ class SaturationDetector:
         self._kv_threshold = config.kv_utilization_threshold
         self._endpoint_cap = config.endpoint_max_concurrency
 
+    def observe(self, endpoint: Endpoint) -> None:
+        """Called right after each successful scrape: learn the batch capacity, note the tokens."""
+        metrics = endpoint.metrics
+        metrics.in_flight_tokens_at_scrape = endpoint.in_flight_tokens
+        running, waiting = metrics.running, metrics.waiting
+        if running is not None and waiting is not None and waiting > 0 and math.isfinite(running):
+            endpoint.learned_capacity = max(endpoint.learned_capacity, int(running))
+
+    def capacity(self, endpoint: Endpoint) -> int | None:
+        """Requests the engine runs at once, if known (configured, else learned)."""
+        return endpoint.max_num_seqs or endpoint.learned_capacity or None
+
     def estimated_waiting(self, endpoint: Endpoint) -> float | None:
         metrics = endpoint.metrics
         if not metrics.fresh() or metrics.waiting is None or not math.isfinite(metrics.waiting):
@@ -38,7 +58,21 @@ class SaturationDetector:
         waiting = metrics.waiting
         if waiting > 0:
             waiting += max(0, endpoint.in_flight - metrics.in_flight_at_scrape)
+        capacity = self.capacity(endpoint)
+        if capacity is not None:
+            waiting = max(waiting, endpoint.in_flight - capacity)
         return waiting
+
+    def estimated_kv_usage(self, endpoint: Endpoint) -> float | None:
+        metrics = endpoint.metrics
+        kv = metrics.kv_usage
+        if kv is None or not math.isfinite(kv):
+            return None
+        if metrics.block_size and metrics.num_blocks:
+            sent = endpoint.in_flight_tokens - metrics.in_flight_tokens_at_scrape
+            if sent > 0:
+                kv += sent / (metrics.block_size * metrics.num_blocks)
+        return kv
 
     def saturated(self, endpoint: Endpoint) -> bool | None:
         """True/False, or None when its metrics are stale (unknown)."""
@@ -49,8 +83,8 @@ class SaturationDetector:
             return None
         if waiting >= self._queue_threshold:
             return True
-        kv = endpoint.metrics.kv_usage
-        return kv is not None and math.isfinite(kv) and kv >= self._kv_threshold
+        kv = self.estimated_kv_usage(endpoint)
+        return kv is not None and kv >= self._kv_threshold
 
     def pool_saturated(self, candidates: Sequence[Endpoint]) -> bool:
         """Saturated only if every replica with known state is saturated (and one is known)."""

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["Endpoint", "EndpointMetrics", "EngineKind", "Role"]
+__all__ = ["Endpoint", "EndpointMetrics", "EngineKind", "Role", "public_url"]
+
+
+def public_url(url: str) -> str:
+    """``url`` without its user info (``http://user:pw@host`` → ``http://host``).
+
+    The only form of an endpoint URL that may be shown: in headers, metric labels, logs,
+    error messages and admin answers. Credentials in the configured URL are sent as
+    Basic auth and nowhere else.
+    """
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 class Role(StrEnum):
@@ -31,6 +46,7 @@ class EndpointMetrics:
     num_blocks: int | None = None
     scraped_at: float = 0.0  # monotonic time of the last successful scrape
     in_flight_at_scrape: int = 0  # the gateway's own in-flight count when that scrape landed
+    in_flight_tokens_at_scrape: int = 0  # … and its in-flight prompt tokens
     stale: bool = True
 
     def fresh(self) -> bool:
@@ -52,12 +68,18 @@ class Endpoint:
     configured_models: frozenset[str] = frozenset()
     labels: dict[str, str] = field(default_factory=dict)
     bootstrap_port: int | None = None
-    auth_header: str | None = None  # "Bearer <token>" sent upstream (configured per endpoint)
+    auth_header: str | None = None  # "Bearer <token>" / "Basic …" sent upstream (configured per endpoint)
+    # https: how the certificate is checked (None: system CAs, verified). Shared by the hot-path
+    # client and the health/scrape session, so inference and probes trust the same servers.
+    ssl_context: ssl.SSLContext | None = None
+    max_num_seqs: int | None = None  # configured batch capacity (the engine does not export it)
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
     healthy: bool = False
     ejected: bool = False  # circuit breaker open (or its half-open probe in flight)
     draining: bool = False  # admin drain: no new requests; in-flight ones finish
+    # Batch capacity learned from the engine: the most requests it ran while others waited.
+    learned_capacity: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
@@ -66,11 +88,16 @@ class Endpoint:
     # Estimated uncached prompt tokens sent but not yet answered with a first chunk.
     pending_prefill_tokens: float = 0.0
     created_at: float = field(default_factory=time.monotonic)
-    # Short label for metrics, headers and index keys: host:port (computed once; hot path).
+    # Short label for metrics, headers and index keys: host:port[/prefix] (computed once; hot
+    # path), never with user info in it.
     name: str = field(init=False, default="")
+    # Where probes and scrapes go: the URL without user info (aiohttp would otherwise turn it
+    # into an Authorization header of its own, clashing with ``auth_header``).
+    base_url: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
-        self.name = self.url.split("://", 1)[-1].rstrip("/")
+        self.base_url = public_url(self.url).rstrip("/")
+        self.name = self.base_url.split("://", 1)[-1]
 
     @property
     def models(self) -> frozenset[str]:

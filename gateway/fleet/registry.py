@@ -6,25 +6,71 @@ cost does not grow with the number of models or with health-check churn.
 
 from __future__ import annotations
 
+import base64
+import functools
+import ssl
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from gateway.config import ConfigError, EndpointConfig
-from gateway.fleet.endpoint import Endpoint, EngineKind, Role
+from gateway.fleet.endpoint import Endpoint, EngineKind, Role, public_url
 
-__all__ = ["EndpointRegistry", "endpoint_from_config", "upstream_auth_header"]
+__all__ = ["EndpointRegistry", "endpoint_from_config", "endpoint_ssl_context", "upstream_auth_header"]
 
 
 def upstream_auth_header(cfg: EndpointConfig) -> str | None:
-    """The bearer header for this endpoint's own API key, if it has one (file wins: a mounted Secret)."""
+    """What this endpoint is sent as ``Authorization``: its API key as a bearer token (file wins:
+    a mounted Secret), else the URL's user info as Basic auth (``http://user:pw@host``)."""
     token = cfg.api_key
     if cfg.api_key_file:
         try:
             token = Path(cfg.api_key_file).read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"endpoints: cannot read api_key_file for {cfg.url}: {exc.strerror}") from None
-    return f"Bearer {token}" if token else None
+            raise ConfigError(
+                f"endpoints: cannot read api_key_file for {public_url(cfg.url)}: {exc.strerror}"
+            ) from None
+    if token:
+        return f"Bearer {token}"
+    parts = urlsplit(cfg.url)
+    if parts.username is None and parts.password is None:
+        return None
+    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(pair.encode()).decode("ascii")
+
+
+@functools.lru_cache(maxsize=64)
+def _ssl_context(ca_file: str | None, verify: bool, mtime: float) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def endpoint_ssl_context(cfg: EndpointConfig) -> ssl.SSLContext | None:
+    """The TLS settings of an https endpoint (None for http): its own CA bundle or the system's.
+
+    Contexts are shared by (file, verify, file mtime): loading a CA bundle costs milliseconds
+    and every replica of a fleet names the same one; a rotated file gets a new context.
+    """
+    if not cfg.url.startswith("https://"):
+        return None
+    mtime = 0.0
+    if cfg.tls_ca_file:
+        try:
+            mtime = Path(cfg.tls_ca_file).stat().st_mtime
+        except OSError as exc:
+            raise ConfigError(
+                f"endpoints: cannot read tls_ca_file for {public_url(cfg.url)}: {exc.strerror}"
+            ) from None
+    try:
+        return _ssl_context(cfg.tls_ca_file, cfg.tls_verify, mtime)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"endpoints: tls_ca_file for {public_url(cfg.url)} is not a PEM CA bundle: {exc}"
+        ) from None
 
 
 def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
@@ -36,6 +82,7 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
         labels=dict(cfg.labels),
         bootstrap_port=cfg.bootstrap_port,
         auth_header=upstream_auth_header(cfg),
+        max_num_seqs=cfg.max_num_seqs,
     )
 
 

@@ -319,6 +319,7 @@ def _apply_discovered(state: GatewayState) -> Callable[[str, list[EndpointConfig
 
 def _on_scraped(state: GatewayState) -> Callable[[Endpoint], None]:
     def on_scraped(endpoint: Endpoint) -> None:
+        state.plugin_context.saturation.observe(endpoint)
         state.prefix.update_engine_capacity(endpoint)
         state.admission.publish_saturation((endpoint,))
         state.admission.wake()
