@@ -69,6 +69,9 @@ class EndpointConfig(_Strict):
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     api_key: str | None = Field(None, description="sent upstream as a bearer token; never logged")
     api_key_file: str | None = Field(None, description="file holding that token (a mounted Secret)")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="the engine's batch capacity, if known (else learned when it first queues)"
+    )
 
     @field_validator("url")
     @classmethod
