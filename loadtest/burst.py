@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
 from loadtest.report import percentile
 from loadtest.runner import BenchResult, DirectRoundRobinTarget, GatewayTarget, run_benchmark
 from loadtest.workloads import make_workload

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleet import ManagedProcess, free_ports, start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import ManagedProcess, free_ports, start_gateway, start_replicas, stop_all
 from loadtest.ideal import ideal_hit_ratio
 from loadtest.report import markdown_table, plot, print_comparison, summarize, write_json
 from loadtest.runner import BenchResult, DirectRoundRobinTarget, GatewayTarget, Target, run_benchmark

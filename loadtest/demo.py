@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from loadtest.fleet import start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
 from loadtest.report import markdown_table, plot, print_comparison, write_json
 from loadtest.runner import BenchResult, DirectRoundRobinTarget, GatewayTarget, Target, run_benchmark
 from loadtest.workloads import make_workload

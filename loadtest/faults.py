@@ -48,7 +48,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import ManagedProcess, free_ports, start_gateway, start_replicas
+from loadtest.harness.fleet import ManagedProcess, free_ports, start_gateway, start_replicas
 from loadtest.report import percentile
 from loadtest.runner import ENDPOINT_HEADER
 from loadtest.workloads import PRIORITY_CLASSES, pseudo_text

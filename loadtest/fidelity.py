@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.fleet import start_replicas, stop_all
+from loadtest.harness.fleet import start_replicas, stop_all
 from loadtest.report import summarize
 from loadtest.runner import DirectRoundRobinTarget, run_benchmark
 from loadtest.workloads import make_workload

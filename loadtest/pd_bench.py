@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
 from loadtest.report import percentile
 from loadtest.runner import BenchResult, GatewayTarget, run_benchmark
 from loadtest.workloads import WorkItem, Workload, pseudo_text

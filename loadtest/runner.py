@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import math
 import random
 import time
@@ -29,6 +28,9 @@ from typing import Any, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.harness import sse
+from loadtest.harness.load import Budget, closed_loop, open_loop
+from loadtest.harness.sse import ENDPOINT_HEADER, Exchange
 from loadtest.workloads import WorkItem, Workload
 
 __all__ = [
@@ -43,7 +45,6 @@ __all__ = [
     "run_benchmark",
 ]
 
-ENDPOINT_HEADER = "x-gateway-endpoint"
 _HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _SUCCESS_NAMES = ("vllm:request_success_total",)
@@ -234,109 +235,38 @@ def _replica_deltas(before: dict[str, Any], after: dict[str, Any]) -> list[Repli
 # --------------------------------------------------------------------------- one request
 
 
-def _chunk_text(kind: str, chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if kind == "chat":
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
 async def _send(
-    session: aiohttp.ClientSession, base_url: str, item: WorkItem, rec: RequestRecord, t0: float
+    session: aiohttp.ClientSession, base_url: str, item: WorkItem, rec: RequestRecord, t0: float, sent: float
 ) -> str:
     """Stream one request into ``rec``; return the generated text (for next turns)."""
-    parts: list[str] = []
-    sent = time.perf_counter()
     rec.start = sent - t0
-    rec.endpoint = base_url
-    last_token: float | None = None
-    content_chunks = 0
+    ex = Exchange(endpoint=base_url)
     try:
-        async with session.post(base_url + item.path, json=item.body, headers=item.headers) as resp:
-            rec.status = resp.status
-            rec.endpoint = resp.headers.get(ENDPOINT_HEADER, base_url)
-            if resp.status != 200:
-                rec.error = (await resp.text())[:_ERROR_TEXT_LIMIT] or resp.reason or "http error"
-                return ""
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk and not chunk.get("choices"):
-                    rec.error = json.dumps(chunk["error"])[:_ERROR_TEXT_LIMIT]
-                    break
-                text = _chunk_text(item.kind, chunk)
-                if text:
-                    now = time.perf_counter()
-                    if last_token is None:
-                        rec.ttft = now - sent
-                    else:
-                        rec.itls.append(now - last_token)
-                    last_token = now
-                    content_chunks += 1
-                    parts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    rec.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
-    except asyncio.CancelledError:
-        rec.error = rec.error or "cancelled (deadline)"
-        raise
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_LIMIT]
+        # require_done=False: a stream that just ends counts, as it always has here.
+        await sse.send(session, base_url + item.path, item.body, item.headers, kind=item.kind, sent=sent,
+                       require_done=False, error_chars=_ERROR_TEXT_LIMIT, out=ex)  # fmt: skip
     finally:
-        rec.e2e = time.perf_counter() - sent
-        if not rec.completion_tokens:
-            rec.completion_tokens = content_chunks
-    answer = "".join(parts)
-    rec.answer_chars = len(answer)
-    return answer
+        _fill(rec, ex)
+    return ex.text if rec.ok else ""
+
+
+def _fill(rec: RequestRecord, ex: Exchange) -> None:
+    rec.status, rec.endpoint = ex.status, ex.endpoint
+    rec.error = None if ex.ok else ex.error
+    rec.ttft, rec.itls, rec.e2e = ex.ttft, ex.itls, ex.latency
+    usage = ex.usage or {}
+    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    rec.completion_tokens = int(usage.get("completion_tokens") or 0) or ex.content_chunks
+    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    rec.answer_chars = len(ex.text)
 
 
 # --------------------------------------------------------------------------- driver
 
 
-class _Budget:
-    """Shared request budget: ``take`` fails once max_requests or the deadline is hit."""
-
-    def __init__(self, max_requests: int, deadline: float) -> None:
-        self.left = max_requests
-        self.deadline = deadline
-        self.stopped_by = "completed"
-
-    def exhausted(self) -> bool:
-        if time.perf_counter() >= self.deadline:
-            self.stopped_by = "deadline"
-            return True
-        if self.left <= 0:
-            self.stopped_by = "max_requests"
-            return True
-        return False
-
-    def take(self) -> bool:
-        if self.exhausted():
-            return False
-        self.left -= 1
-        return True
-
-
 class _Run:
     def __init__(
-        self,
-        workload: Workload,
-        target: Target,
-        session: aiohttp.ClientSession,
-        budget: _Budget,
-        on_done: Any,
+        self, workload: Workload, target: Target, session: aiohttp.ClientSession, budget: Budget, on_done: Any
     ) -> None:
         self.workload = workload
         self.target = target
@@ -344,66 +274,35 @@ class _Run:
         self.budget = budget
         self.on_done = on_done
         self.records: list[RequestRecord] = []
-        self.t0 = time.perf_counter()
 
     async def chain(self, first: WorkItem) -> None:
+        """A session: its first item, then ``workload.next_turn`` until None (or the budget)."""
         item: WorkItem | None = first
-        while item is not None and self.budget.take():
-            rec = RequestRecord(
-                index=len(self.records),
-                start=0.0,
-                kind=item.kind,
-                session_id=item.session_id,
-                group=item.group,
-                turn=item.turn,
-                priority=item.priority,
-            )
+        while item is not None and (sent := self.budget.take()) is not None:
+            rec = RequestRecord(len(self.records), 0.0, item.kind, item.session_id, item.group, item.turn,
+                                item.priority)  # fmt: skip
             self.records.append(rec)
             try:
-                answer = await _send(self.session, self.target.base_url_for(item), item, rec, self.t0)
+                base_url = self.target.base_url_for(item)
+                answer = await _send(self.session, base_url, item, rec, self.budget.t0, sent)
             finally:
                 self.on_done()
             item = self.workload.next_turn(item, answer) if rec.ok else None
-
-    async def closed_loop(self, items: Iterator[WorkItem], concurrency: int) -> None:
-        async def worker() -> None:
-            for first in items:  # shared iterator: each first item goes to one worker
-                if self.budget.exhausted():
-                    return
-                await self.chain(first)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
 
     async def open_loop(
         self, items: Iterator[WorkItem], rate: float, cap: int | None, rng: random.Random
     ) -> None:
         sem = asyncio.Semaphore(cap) if cap else None
-        tasks: set[asyncio.Task[None]] = set()
 
         async def capped(first: WorkItem) -> None:
             async with sem if sem is not None else nullcontext():
                 await self.chain(first)
 
-        next_at = time.perf_counter()
-        try:
-            for first in items:
-                if self.budget.exhausted():
-                    break
-                if math.isfinite(rate):
-                    next_at += rng.expovariate(rate)
-                    delay = min(next_at, self.budget.deadline) - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                task = asyncio.create_task(capped(first))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:  # on deadline: cancel in-flight chains and let them record why
-            pending = list(tasks)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        def work(_scheduled_at: float) -> Any:
+            first = next(items, None)
+            return None if first is None else capped(first)
+
+        await open_loop(work, rate=rate, budget=self.budget, rng=rng)
 
 
 def _progress(enabled: bool) -> Any:
@@ -472,22 +371,20 @@ async def run_benchmark(
                 if bar is not None and task_id is not None:
                     bar.advance(task_id)
 
-            t0 = time.perf_counter()
-            budget = _Budget(max_requests, t0 + deadline_s)
+            budget = Budget(deadline_s, max_requests)
             run = _Run(workload, target, session, budget, on_done)
-            run.t0 = t0
-            items = workload.items()
+            items = iter(workload.items())
             if rate is not None:
                 arrivals = random.Random(f"{workload.seed if seed is None else seed}/arrivals")
                 coro = run.open_loop(items, rate, concurrency, arrivals)
             else:
                 assert concurrency is not None
-                coro = run.closed_loop(items, concurrency)
+                coro = closed_loop(items, run.chain, concurrency=concurrency, budget=budget)
             try:
                 await asyncio.wait_for(coro, timeout=deadline_s)
             except TimeoutError:
                 budget.stopped_by = "deadline"
-            duration = time.perf_counter() - t0
+            duration = time.perf_counter() - budget.t0
         after = await _snapshot(session, scrape) if scrape else {}
 
     return BenchResult(

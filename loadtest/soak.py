@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.faults import SIM_ARGS, LoadMix, client_lag_ms, run_load
-from loadtest.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
 from loadtest.report import percentile
 
 __all__ = ["TARGET_GROWTH_PCT", "RssSampler", "SoakOptions", "main", "read_rss_kib", "run_soak"]

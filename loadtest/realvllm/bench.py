@@ -179,7 +179,7 @@ def format_table(results: Sequence[RunResult]) -> str:
 
 
 async def _bench(replica_urls: list[str], workload: Workload, log_dir: Any) -> list[RunResult]:
-    from loadtest.fleet import start_gateway, stop_all
+    from loadtest.harness.fleet import start_gateway, stop_all
 
     results = []
     timeout = aiohttp.ClientTimeout(total=120)

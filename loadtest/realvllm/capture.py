@@ -124,7 +124,7 @@ async def capture(out_dir: Path, targets: dict[str, str]) -> None:
 
 
 async def _with_simulator(out_dir: Path, vllm_url: str, options: ReplicaOptions) -> None:
-    from loadtest.fleet import start_replicas, stop_all
+    from loadtest.harness.fleet import start_replicas, stop_all
 
     sim_args = ["--model", MODEL_NAME, "--block-size", str(options.block_size)]
     sim_args += ["--kv-blocks", str(options.num_blocks), "--max-model-len", str(options.max_model_len)]

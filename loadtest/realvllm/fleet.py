@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.fleet import free_ports
+from loadtest.harness.ports import free_ports
 
 __all__ = [
     "MODEL_NAME",

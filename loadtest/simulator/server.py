@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +22,8 @@ import aiohttp
 import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from loadtest.harness.ports import free_port
 
 from .config import SimConfig
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
@@ -479,16 +480,10 @@ class RunningSimulator:
 _HANDLER_GRACE_S = 5.0
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def start_runner(config: SimConfig) -> tuple[web.AppRunner, RunningSimulator]:
     """Start a simulator on config.host (a free port if config.port == 0)."""
     if config.port == 0:
-        config.port = _free_port(config.host)
+        config.port = free_port(config.host)
     app = build_app(config)
     # Handlers still running this long after the engine ended their requests (a client that
     # stopped reading, a hung fault) are cancelled: shutdown stays bounded.
