@@ -33,7 +33,14 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
 from gateway.proxy.pd import PDCoordinator
 from gateway.proxy.resilience import CircuitBreakers, RetryBudget, backoff_s
-from gateway.proxy.sse import aborted, error_event, extract_usage, read_past_role_chunk
+from gateway.proxy.sse import (
+    SSEEventBuffer,
+    aborted,
+    ends_event,
+    error_event,
+    extract_usage,
+    read_past_role_chunk,
+)
 from gateway.proxy.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
 from gateway.request.types import InferenceRequest
 from gateway.scheduling.result import SchedulingResult
@@ -337,6 +344,7 @@ class Proxy:
         timeouts = attempt.settings.timeouts
         idle_s = timeouts.idle_s
         previous = last = b""  # the usage object sits in the last chunks of the stream
+        events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
         try:
             async with asyncio.timeout_at(self._wait_limit(attempt, timeouts.first_byte_s)) as limit:
                 while True:
@@ -349,7 +357,15 @@ class Proxy:
                             failure = f"upstream stream broke: {exc}"
                             break
                     if not chunk:
+                        chunk = events.flush()  # the upstream's last bytes, however they end
+                        if chunk:
+                            await response.write(chunk)
+                            previous, last = last, chunk
                         break
+                    chunk = events.complete(chunk)
+                    if not chunk:
+                        limit.reschedule(self._wait_limit(attempt, idle_s))
+                        continue
                     await response.write(chunk)  # a client that left raises here, on purpose
                     context.streamed_chunks += chunk.count(b"data:")
                     previous, last = last, chunk
@@ -365,7 +381,7 @@ class Proxy:
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
-            await response.write(error_event(failure, mid_event=bool(last) and not last.endswith(b"\n\n")))
+            await response.write(error_event(failure, mid_event=bool(last) and not ends_event(last)))
         else:
             self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
         await response.write_eof()

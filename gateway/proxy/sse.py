@@ -9,7 +9,15 @@ from gateway.errors import error_body
 from gateway.proxy.upstream import UpstreamResponse
 from gateway.request.types import ApiKind, InferenceRequest, Usage
 
-__all__ = ["SSE_DONE", "aborted", "error_event", "extract_usage", "read_past_role_chunk"]
+__all__ = [
+    "SSE_DONE",
+    "SSEEventBuffer",
+    "aborted",
+    "ends_event",
+    "error_event",
+    "extract_usage",
+    "read_past_role_chunk",
+]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -31,6 +39,45 @@ def extract_usage(payload: bytes) -> Usage | None:
         completion_tokens=int(completion[-1]) if completion else 0,
         cached_tokens=int(cached[-1]) if cached else 0,
     )
+
+
+_MAX_PARTIAL_EVENT = 65536  # beyond this a "stream" is not SSE: pass it on as it comes
+
+
+def ends_event(data: bytes) -> bool:
+    return data.endswith((b"\n\n", b"\r\n\r\n"))
+
+
+class SSEEventBuffer:
+    """Cuts a byte stream at event boundaries: what :meth:`complete` returns ends with a blank
+    line, the rest waits for the next chunk. An upstream that dies mid-event then never puts
+    half an event in front of the client (whose SSE parser would fail on it instead of
+    reading the error event that follows)."""
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def complete(self, chunk: bytes) -> bytes:
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        if ends_event(chunk):  # the common case: engines write whole events
+            return chunk
+        cut = chunk.rfind(b"\n\n")
+        cut = cut + 2 if cut != -1 else 0
+        crlf = chunk.rfind(b"\r\n\r\n")
+        if crlf != -1:
+            cut = max(cut, crlf + 4)
+        if len(chunk) - cut > _MAX_PARTIAL_EVENT:
+            return chunk
+        self._tail = chunk[cut:]
+        return chunk[:cut]
+
+    def flush(self) -> bytes:
+        tail, self._tail = self._tail, b""
+        return tail
 
 
 def error_event(message: str, *, mid_event: bool) -> bytes:

@@ -7,6 +7,7 @@ One aiohttp app, real sockets, behaviour switched by attributes the test sets:
 - ``mode = "hold"``: streams the first chunk (or, non-streaming, nothing at all) and then
   waits forever; ``cancelled`` is set when the handler is cancelled (connection closed);
 - ``mode = "die"``: sends the headers and the first bytes, then aborts the TCP connection;
+- ``mode = "cut-mid-event"``: streams the first chunk, then half of an event, then aborts;
 - ``mode = "status"``: answers ``status`` with ``body`` byte for byte (4xx / 5xx cases);
 - ``mode = "status-stall"``: sends ``status`` and the headers, then stalls inside the body.
 
@@ -202,6 +203,11 @@ class Upstream:
         elif self.mode == "hold":
             await asyncio.Event().wait()
         elif self.mode == "die":
+            self._abort(request)
+            return resp
+        elif self.mode == "cut-mid-event":
+            await resp.write(b'data: {"id": "cmpl-1", "object": "chat.completion.chunk", "choices": [{"par')
+            await asyncio.sleep(0.05)  # let the gateway forward the half event before the cut
             self._abort(request)
             return resp
         for index in range(1, len(CHUNKS)):
