@@ -125,7 +125,10 @@ class HealthChecker:
     async def _probe(self, endpoint: Endpoint) -> bool:
         try:
             async with self._session.get(
-                endpoint.url + self._config.path, timeout=self._timeout, headers=self._headers(endpoint)
+                endpoint.base_url + self._config.path,
+                timeout=self._timeout,
+                headers=self._headers(endpoint),
+                ssl=endpoint.ssl_context or True,
             ) as resp:
                 if resp.status != 200:
                     return False
@@ -139,7 +142,10 @@ class HealthChecker:
 
     async def _discover_models(self, endpoint: Endpoint) -> frozenset[str]:
         async with self._session.get(
-            endpoint.url + "/v1/models", timeout=self._timeout, headers=self._headers(endpoint)
+            endpoint.base_url + "/v1/models",
+            timeout=self._timeout,
+            headers=self._headers(endpoint),
+            ssl=endpoint.ssl_context or True,
         ) as resp:
             if resp.status != 200:
                 return frozenset()
