@@ -4,7 +4,7 @@
 
 One gateway process (``session-aware`` policy, so the prefix index and the session
 store are both on the hot path) in front of 4 simulated replicas, and open-loop mixed
-load from :class:`loadtest.faults.LoadMix`: chat and text completions, streaming and not,
+load from :class:`loadtest.mix.MixedWorkload`: chat and text completions, streaming and not,
 16 shared system prompts, multi-turn conversations under ``x-session-id`` (a fixed pool,
 restarted every few turns) and ``x-priority`` classes. The gateway's resident set
 (``VmRSS`` in ``/proc/PID/status``) is sampled every ``--sample-every`` seconds.
@@ -21,32 +21,23 @@ import asyncio
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.faults import SIM_ARGS, LoadMix, client_lag_ms, run_load
+from loadtest.faults import MODEL, SIM_ARGS, client_lag_ms
 from loadtest.harness.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
+from loadtest.harness.processes import log_dir as make_log_dir
+from loadtest.harness.procfs import rss_kib as read_rss_kib
+from loadtest.harness.steady import run_load
+from loadtest.mix import MixedWorkload
 from loadtest.report import percentile
 
 __all__ = ["TARGET_GROWTH_PCT", "RssSampler", "SoakOptions", "main", "read_rss_kib", "run_soak"]
 
 TARGET_GROWTH_PCT = 10.0
-
-
-def read_rss_kib(pid: int) -> int | None:
-    """Resident set size of ``pid`` in KiB (``VmRSS``), or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None  # a zombie has no VmRSS line
 
 
 class RssSampler:
@@ -88,8 +79,9 @@ class SoakOptions:
     log_dir: Path | None = None
 
 
-def _mix(seed: int) -> LoadMix:
-    return LoadMix(
+def _mix(seed: int) -> MixedWorkload:
+    return MixedWorkload(
+        model=MODEL,
         seed=seed,
         stream_share=0.5,
         completion_share=0.25,
@@ -103,8 +95,7 @@ def _mix(seed: int) -> LoadMix:
 
 async def run_soak(opts: SoakOptions) -> dict[str, Any]:
     """Run the soak on a fresh fleet; returns the report (RSS samples included)."""
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="llm-gateway-soak-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_log_dir(opts.log_dir, prefix="llm-gateway-soak-")
     procs: list[ManagedProcess] = []
     try:
         replicas = await start_replicas(opts.replicas, SIM_ARGS, log_dir=log_dir)

@@ -52,6 +52,10 @@ class WorkItem:
     priority: str | None = None
 
     @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
     def path(self) -> str:
         """API path relative to a ``/v1``-less base URL."""
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -24,16 +19,12 @@ import redis
 from gateway.config import load_config
 from gateway.http.app import build_app
 from gateway.http.server import start_site
+from loadtest.harness.ports import free_port
+from loadtest.harness.redis_server import RedisServer
 from loadtest.simulator import RunningSimulator, SimConfig, running_simulator
 from tests.support.harness import Gateway
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pings(url: str, timeout: float = 0.5) -> bool:
@@ -44,52 +35,6 @@ def _pings(url: str, timeout: float = 0.5) -> bool:
         return False
     finally:
         client.close()
-
-
-class RedisServer:
-    """A private ``redis-server`` started by this test run, stopped by its own PID only."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 5.0) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not on PATH")
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
-            if _pings(self.url, 0.2):
-                return self
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout}s")
-
-    def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
 
 
 def _redis_unavailable(reason: str) -> None:

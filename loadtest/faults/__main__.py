@@ -1,0 +1,7 @@
+"""``python -m loadtest.faults``."""
+
+import sys
+
+from loadtest.faults.cli import main
+
+sys.exit(main())
