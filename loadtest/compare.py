@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.harness.fleet import ManagedProcess, free_ports, start_gateway, start_replicas, stop_all
+from loadtest.harness.fleet import ManagedProcess, start_gateway, start_replicas, stop_all
+from loadtest.harness.ports import free_port
 from loadtest.ideal import ideal_hit_ratio
 from loadtest.report import markdown_table, plot, print_comparison, summarize, write_json
 from loadtest.runner import BenchResult, DirectRoundRobinTarget, GatewayTarget, Target, run_benchmark
@@ -75,7 +76,7 @@ async def _start_target(spec: str, urls: list[str], log_dir: Path) -> tuple[Targ
         return GatewayTarget(proc.url, label=spec), proc
     from loadtest.peers import start_peer
 
-    (port,) = free_ports(1)
+    port = free_port()
     peer = await start_peer(kind, port, urls, policy or "cache_aware", log_dir=str(log_dir))
     return GatewayTarget(f"http://127.0.0.1:{port}", label=spec), peer
 

@@ -18,11 +18,8 @@ it reports ``healthy_workers`` equal to the number of workers given.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from loadtest.harness.ports import free_port
+from loadtest.harness.processes import ManagedProcess, ReadyCheck, spawn, wait_ready
 
 __all__ = [
     "PEERS_PYTHON_ENV",
@@ -210,53 +210,13 @@ def peer_available(name: str) -> bool:
     return _AVAILABLE[key]
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
-class PeerProcess:
+class PeerProcess(ManagedProcess):
     """A running peer router started by :func:`start_peer`."""
 
-    name: str
-    pid: int
-    url: str
-    metrics_port: int
-    argv: list[str]
-    log_path: Path
+    metrics_port: int = 0
+    argv: list[str] = field(default_factory=list)
     startup_s: float = 0.0
-    _proc: asyncio.subprocess.Process | None = field(default=None, repr=False)
-
-    @property
-    def running(self) -> bool:
-        """True while the router process has not exited."""
-        return self._proc is not None and self._proc.returncode is None
-
-    def log_tail(self, max_chars: int = 4000) -> str:
-        """Return the end of the router's combined stdout/stderr log."""
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[-max_chars:].decode(errors="replace")
-
-    async def stop(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM the router by PID, SIGKILL it after ``grace_s``; return its exit code."""
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), grace_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        return proc.returncode
 
     async def __aenter__(self) -> PeerProcess:
         return self
@@ -265,16 +225,13 @@ class PeerProcess:
         await self.stop()
 
 
-async def _ready(session: aiohttp.ClientSession, url: str, n_workers: int) -> bool:
-    try:
-        async with session.get(url) as resp:
-            if resp.status != 200:
-                return False
-            body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return False
-    healthy = body.get("healthy_workers") if isinstance(body, dict) else None
-    return healthy is None or int(healthy) >= n_workers
+def _healthy_workers(n_workers: int) -> ReadyCheck:
+    async def check(resp: aiohttp.ClientResponse) -> bool:
+        body = await resp.json(content_type=None)
+        healthy = body.get("healthy_workers") if isinstance(body, dict) else None
+        return healthy is None or int(healthy) >= n_workers
+
+    return check
 
 
 async def start_peer(
@@ -306,56 +263,18 @@ async def start_peer(
     if python is None:
         raise PeerStartError(f"no peers interpreter: create {PEERS_VENV} or set {PEERS_PYTHON_ENV}")
 
-    metrics_port = _free_port(host)
-    argv = spec.command(
-        python,
-        host=host,
-        port=port,
-        metrics_port=metrics_port,
-        worker_urls=worker_urls,
-        policy=policy,
-        extra_args=extra_args,
-    )
+    metrics_port = free_port(host)
+    argv = spec.command(python, host=host, port=port, metrics_port=metrics_port, worker_urls=worker_urls,
+                        policy=policy, extra_args=extra_args)  # fmt: skip
     fd, log_name = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log", dir=log_dir)
+    os.close(fd)
     started = time.monotonic()
-    with os.fdopen(fd, "wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=asyncio.subprocess.STDOUT,
-            env=offline_env(),
-            start_new_session=True,
-        )
-    peer = PeerProcess(
-        name=name,
-        pid=proc.pid,
-        url=f"http://{host}:{port}",
-        metrics_port=metrics_port,
-        argv=argv,
-        log_path=Path(log_name),
-        _proc=proc,
-    )
-
-    ready_url = peer.url + spec.ready_path
-    deadline = started + ready_timeout_s
-    timeout = aiohttp.ClientTimeout(total=2.0)
+    proc = await spawn(name, f"http://{host}:{port}", argv, Path(log_name).parent, env=offline_env(),
+                       new_session=True, log_path=Path(log_name))  # fmt: skip
+    peer = PeerProcess(proc.name, proc.url, proc.process, proc.log_path, metrics_port=metrics_port, argv=argv)
     try:
-        # trust_env=False: never route the readiness probe through a proxy.
-        async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
-            while True:
-                if proc.returncode is not None:
-                    raise PeerStartError(
-                        f"{name} exited with {proc.returncode} during start-up:\n{peer.log_tail()}"
-                    )
-                if await _ready(session, ready_url, len(worker_urls)):
-                    break
-                if time.monotonic() >= deadline:
-                    raise PeerStartError(
-                        f"{name} not ready at {ready_url} after {ready_timeout_s:.0f} s:\n{peer.log_tail()}"
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(proc.wait(), 0.1)
+        await wait_ready(peer, spec.ready_path, ready_timeout_s, check=_healthy_workers(len(worker_urls)),
+                         probe_timeout_s=2.0, error=PeerStartError)  # fmt: skip
     except BaseException:
         await peer.stop(grace_s=2.0)
         raise
