@@ -8,9 +8,11 @@ in :func:`gateway.scheduling.build.build_scheduler`, which is also run at start-
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,6 +34,7 @@ __all__ = [
     "ProfileSpec",
     "ResilienceConfig",
     "SessionConfig",
+    "check_endpoint_url",
     "format_validation_error",
     "load_config",
 ]
@@ -58,6 +61,50 @@ class ServerConfig(_Strict):
     max_headers: int = Field(64, ge=8, description="most request header fields")
     max_json_depth: int = Field(32, ge=2, description="deepest nesting accepted in a request body")
     drain_s: float = Field(5.0, ge=0, description="on SIGTERM: report not-ready this long before closing")
+    # Slow or silent clients (slowloris) must not hold sockets: every phase of reading a
+    # request has a deadline. None of them limits a response, so long streams are unaffected.
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="request headers complete within this, from accept or from their first byte"
+    )
+    body_timeout_s: float = Field(60.0, gt=0, description="the whole request body arrives within this")
+    keepalive_timeout_s: float = Field(
+        75.0, gt=0, description="close a connection idle between requests; above a load balancer's (60 s)"
+    )
+    max_connections: int = Field(
+        0, ge=0, description="open client connections per worker; 0 = 3/4 of the file-descriptor limit"
+    )
+
+
+def check_endpoint_url(value: str) -> str:
+    """The endpoint URL, normalised (no trailing ``/``); ValueError naming what is wrong.
+
+    Strict because the URL ends up in a request line, a ``Host`` header and a socket
+    address: control characters or spaces could split the request, and a port outside
+    1..65535 or a missing host only fails later, at the first request, far from its cause.
+    A path is kept (a prefix such as ``/pfx`` behind a reverse proxy); user info is allowed
+    and sent as Basic auth, never shown. Query strings and fragments have no meaning here.
+    """
+    if any(ord(c) <= 0x20 or ord(c) >= 0x7F for c in value):
+        raise ValueError("must not contain spaces, control or non-ASCII characters")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not value.startswith(parts.scheme + "://"):
+        raise ValueError("must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if parts.query or parts.fragment or "?" in value or "#" in value:
+        raise ValueError("must not have a query or fragment")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("port must be a number from 1 to 65535") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError("port must be a number from 1 to 65535")
+    if parts.netloc.endswith(":"):
+        raise ValueError("port must be a number from 1 to 65535")
+    host = parts.netloc.rpartition("@")[2]
+    if host.startswith("[") and "]" not in host:
+        raise ValueError("must name a host")
+    return value.rstrip("/")
 
 
 class EndpointConfig(_Strict):
@@ -72,13 +119,15 @@ class EndpointConfig(_Strict):
     max_num_seqs: int | None = Field(
         None, ge=1, description="the engine's batch capacity, if known (else learned when it first queues)"
     )
+    tls_ca_file: str | None = Field(
+        None, description="https: PEM CA bundle that signed the endpoint's certificate; default: system CAs"
+    )
+    tls_verify: bool = Field(True, description="https: verify the certificate and host name (keep on)")
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
-            raise ValueError("must be an http:// or https:// URL")
-        return value.rstrip("/")
+        return check_endpoint_url(value)
 
 
 class HealthConfig(_Strict):
@@ -118,6 +167,9 @@ class PrefixConfig(_Strict):
         65536, ge=1, description="per-endpoint bound when the engine does not report its KV size"
     )
     ttl_s: float = Field(3600.0, gt=0)
+    max_prompt_blocks: int = Field(
+        16384, ge=1, description="blocks hashed per prompt at most (16384 × 64 B = 1 MB ≈ 256k tokens)"
+    )
     redis_budget_s: float = Field(0.005, gt=0, description="longest a match may wait for Redis")
     redis_retry_after_s: float = Field(1.0, gt=0)
 
@@ -227,6 +279,24 @@ class DnsDiscoveryConfig(_Strict):
 class DiscoveryConfig(_Strict):
     kubernetes: KubernetesDiscoveryConfig | None = None
     dns: list[DnsDiscoveryConfig] = Field(default_factory=list)
+    allowed_networks: list[str] = Field(
+        default_factory=list,
+        description="CIDRs that endpoints added at run time (discovery, admin API) must lie in;"
+        " empty: any address except link-local",
+    )
+    allow_link_local: bool = Field(
+        False, description="accept 169.254.0.0/16 and fe80::/10 (cloud metadata services) at run time"
+    )
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for index, cidr in enumerate(value):
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"item {index}: {cidr!r} is not a CIDR network (e.g. 10.0.0.0/8)") from None
+        return value
 
 
 class ResilienceConfig(_Strict):

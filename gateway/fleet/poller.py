@@ -51,21 +51,30 @@ class MetricsPoller:
     async def scrape_all(self) -> None:
         endpoints = list(self._registry)
         await asyncio.gather(*(self._scrape(e) for e in endpoints))
+        for url in self._last_marker.keys() - {e.url for e in endpoints}:  # removed endpoints
+            del self._last_marker[url]
         now = time.monotonic()
         for endpoint in endpoints:
             m = endpoint.metrics
             m.stale = m.scraped_at == 0 or now - m.scraped_at > self._config.stale_after_s
-            self._metrics.endpoint_metrics_stale.labels(endpoint.name).set(1 if m.stale else 0)
+            if endpoint in self._registry:  # removed while scraped: its series are gone, keep them so
+                self._metrics.endpoint_metrics_stale.labels(endpoint.name).set(1 if m.stale else 0)
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         try:
-            async with self._session.get(endpoint.url + "/metrics", timeout=self._timeout) as resp:
+            async with self._session.get(
+                endpoint.base_url + "/metrics",
+                timeout=self._timeout,
+                headers={"authorization": endpoint.auth_header} if endpoint.auth_header else None,
+                ssl=endpoint.ssl_context or True,
+            ) as resp:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
                 text = await resp.text()
             load = parse_engine_metrics(text, endpoint.engine)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
-            self._metrics.scrape_errors.labels(endpoint.name).inc()
+            if endpoint in self._registry:
+                self._metrics.scrape_errors.labels(endpoint.name).inc()
             log.debug("scrape of %s failed: %s", endpoint.name, exc)
             return
         m = endpoint.metrics
@@ -75,6 +84,8 @@ class MetricsPoller:
         m.scraped_at = time.monotonic()
         m.in_flight_at_scrape = endpoint.in_flight
         m.stale = False
+        if endpoint not in self._registry:
+            return
         self._metrics.endpoint_waiting.labels(endpoint.name).set(load.waiting or 0)
         self._metrics.endpoint_running.labels(endpoint.name).set(load.running or 0)
         self._metrics.endpoint_kv_usage.labels(endpoint.name).set(load.kv_usage or 0)

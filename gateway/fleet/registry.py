@@ -82,6 +82,7 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
         labels=dict(cfg.labels),
         bootstrap_port=cfg.bootstrap_port,
         auth_header=upstream_auth_header(cfg),
+        ssl_context=endpoint_ssl_context(cfg),
         max_num_seqs=cfg.max_num_seqs,
     )
 

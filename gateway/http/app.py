@@ -222,6 +222,8 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         for endpoint in endpoints:
             forget(endpoint)
             state.breakers.forget(endpoint.url)
+            state.metrics.forget_endpoint(endpoint.name)  # its series would be exported forever
+            client.remove(endpoint.url)  # idle connections close now, busy ones when done
 
     def on_added(endpoints: list[Endpoint]) -> None:
         task = asyncio.get_running_loop().create_task(health.check(endpoints))
@@ -243,6 +245,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     client = UpstreamClient(
         connect_timeout_s=state.config.timeouts.connect_s,
         limit_per_endpoint=limits.upstream_connections_per_endpoint,
+        ssl_context_for=lambda url: e.ssl_context if (e := state.registry.get(url)) is not None else None,
     )
     state.proxy = Proxy(
         client,

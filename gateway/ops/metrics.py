@@ -343,6 +343,47 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def per_endpoint(self) -> list[tuple[Any, tuple[str, ...]]]:
+        """Every labelled metric with an ``endpoint`` label, with its label names in order."""
+        return [
+            (self.requests, ("model", "endpoint", "status")),
+            (self.endpoint_healthy, ("endpoint",)),
+            (self.endpoint_waiting, ("endpoint",)),
+            (self.endpoint_running, ("endpoint",)),
+            (self.endpoint_kv_usage, ("endpoint",)),
+            (self.endpoint_metrics_stale, ("endpoint",)),
+            (self.endpoint_saturated, ("endpoint",)),
+            (self.scrape_errors, ("endpoint",)),
+            (self.upstream_errors, ("endpoint", "kind")),
+            (self.prefix_mispredictions, ("endpoint",)),
+            (self.ejections, ("endpoint", "reason")),
+            (self.ejections_skipped, ("endpoint",)),
+        ]
+
+    def forget_endpoint(self, name: str) -> None:
+        """Drop every series labelled ``endpoint=name``: the endpoint left the fleet.
+
+        Without this a removed replica's gauges (``endpoint_healthy 1`` above all) are
+        exported for the life of the process, and discovery churn (pod IPs are never
+        reused soon) grows the exposition without bound. The gauges the collector reads
+        from live ``Endpoint`` objects need nothing: they vanish with the endpoint.
+        The memoised children go too, or a later ``child()`` would hand back a series
+        the metric no longer exports.
+        """
+        for metric, names in self.per_endpoint():
+            position = names.index("endpoint")
+            stale: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("endpoint") == name:
+                        stale.add(tuple(sample.labels[n] for n in names))
+            for labels in stale:
+                metric.remove(*labels)
+            for key in [
+                k for k in self._children if k[0] == id(metric) and k[1][position : position + 1] == (name,)
+            ]:
+                del self._children[key]
+
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, memoised: label lookups were a hot-path cost."""
         key = (id(metric), labels)

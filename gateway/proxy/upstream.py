@@ -16,7 +16,13 @@ Contract used by :mod:`gateway.proxy.forward`:
 - :meth:`UpstreamResponse.close` aborts the socket, which is how a replica learns that a
   client went away and frees the request's KV cache;
 - a stale pooled connection that the server closed while idle is retried once on a
-  fresh connection, transparently.
+  fresh connection, transparently;
+- a response with neither ``Content-Length`` nor chunked encoding ends when the server
+  closes the connection (RFC 9112 §6.3): that close is its end, not a failure.
+
+The endpoint URL is honoured in full: ``https://`` (TLS with the endpoint's SSL context,
+verified by default), a path prefix (``http://host/pfx`` → ``POST /pfx/v1/...``), and
+user info, which never reaches the ``Host`` header (the caller sends it as Basic auth).
 
 Health checks and metric scrapes, which are rare, still use aiohttp's client.
 """
@@ -24,6 +30,7 @@ Health checks and metric scrapes, which are rare, still use aiohttp's client.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -163,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._complete = False
         self._keep_alive = False
+        self._until_close = False  # the response's body is delimited by the connection's close
         self.closed = False
         self.requests_served = 0
         self.idle_since = time.monotonic()
@@ -183,6 +191,20 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
+        headers_ready = self._headers_ready
+        if (
+            exc is None
+            and self._until_close
+            and not self._complete
+            and self._response is not None
+            and headers_ready is not None
+            and headers_ready.done()
+        ):
+            # llhttp cannot see the end of a close-delimited body (httptools has no
+            # feed_eof): the orderly close is that end. A reset (exc set) stays a failure.
+            self._complete = True
+            self._response._finish()
+            return
         self._fail(f"upstream closed the connection{f': {exc}' if exc else ''}")
 
     # -- httptools callbacks ----------------------------------------------------------
@@ -195,8 +217,15 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is None:
             return
-        response.status = self._parser.get_status_code()
+        response.status = status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
+        headers = response.headers
+        self._until_close = (
+            status >= 200
+            and status not in (204, 304)
+            and "content-length" not in headers
+            and "chunked" not in headers.get("transfer-encoding", "").lower()
+        )
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -223,6 +252,7 @@ class _Connection(asyncio.Protocol):
     async def send(self, request: bytes) -> UpstreamResponse:
         assert self._transport is not None
         self._complete = False  # one parser per connection: llhttp handles keep-alive sequences
+        self._until_close = False
         response = self._response = UpstreamResponse(self)
         self._headers_ready = asyncio.get_running_loop().create_future()
         self._transport.write(request)
@@ -267,14 +297,23 @@ class _Connection(asyncio.Protocol):
 class _Pool:
     """Idle keep-alive connections to one endpoint, bounded in number."""
 
-    def __init__(self, host: str, port: int, limit: int, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        limit: int,
+        idle_timeout_s: float,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
         self._limit = limit
         self._idle_timeout_s = idle_timeout_s
         self._idle: deque[_Connection] = deque()
         self._open: set[_Connection] = set()
         self.slots = asyncio.Semaphore(limit) if limit else None  # requests in progress
+        self.retired = False  # the endpoint left the fleet: connections close once their request ends
 
     def take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -289,7 +328,16 @@ class _Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                if self.tls is None:
+                    _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+                else:
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(self),
+                        self.host,
+                        self.port,
+                        ssl=self.tls,
+                        server_hostname=self.host,
+                    )
         except TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out after {timeout_s}s") from None
         except OSError as exc:
@@ -298,10 +346,23 @@ class _Pool:
         return conn
 
     def put(self, conn: _Connection) -> None:
+        if self.retired:
+            conn.abort()
+            return
         self._idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
+
+    def retire(self) -> None:
+        """Close the idle connections now and every busy one when its request ends.
+
+        Requests already sent to a removed endpoint finish (membership promises it), so
+        only what is idle can go at once.
+        """
+        self.retired = True
+        while self._idle:
+            self._idle.pop().abort()
 
     def close(self) -> None:
         for conn in list(self._open) + list(self._idle):
@@ -313,20 +374,44 @@ class _Pool:
 class UpstreamClient:
     """POSTs to model servers over pooled keep-alive connections, one pool per endpoint."""
 
-    def __init__(self, *, connect_timeout_s: float, limit_per_endpoint: int, idle_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        limit_per_endpoint: int,
+        idle_timeout_s: float = 30.0,
+        ssl_context_for: Callable[[str], ssl.SSLContext | None] | None = None,
+    ):
+        """``ssl_context_for(base_url)``: the TLS settings of an https endpoint (its CA); None,
+        or no callable, means the system CAs with certificate and host name verified."""
         self._connect_timeout_s = connect_timeout_s
         self._limit = limit_per_endpoint
         self._idle_timeout_s = idle_timeout_s
+        self._ssl_context_for = ssl_context_for
+        self._default_tls: ssl.SSLContext | None = None
         self._pools: dict[str, _Pool] = {}
         self._prefixes: dict[tuple[str, str], bytes] = {}
+
+    def _tls(self, base_url: str) -> ssl.SSLContext:
+        context = self._ssl_context_for(base_url) if self._ssl_context_for is not None else None
+        if context is None:
+            if self._default_tls is None:
+                self._default_tls = ssl.create_default_context()
+            context = self._default_tls
+        return context
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)
         if pool is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http":
-                raise ConnectFailed(f"{base_url}: only http:// endpoints are supported by the fast client")
-            pool = _Pool(parts.hostname or "127.0.0.1", parts.port or 80, self._limit, self._idle_timeout_s)
+            if parts.scheme == "http":
+                tls, default_port = None, 80
+            elif parts.scheme == "https":
+                tls, default_port = self._tls(base_url), 443
+            else:
+                raise ConnectFailed(f"{base_url}: only http:// and https:// endpoints are supported")
+            host = parts.hostname or "127.0.0.1"
+            pool = _Pool(host, parts.port or default_port, self._limit, self._idle_timeout_s, tls)
             self._pools[base_url] = pool
         return pool
 
@@ -334,8 +419,10 @@ class UpstreamClient:
         key = (base_url, path)
         prefix = self._prefixes.get(key)
         if prefix is None:
-            host = urlsplit(base_url).netloc
-            prefix = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
+            parts = urlsplit(base_url)
+            host = parts.netloc.rpartition("@")[2]  # never user info in Host
+            target = parts.path.rstrip("/") + path  # the endpoint's path prefix, if any
+            prefix = f"POST {target} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
             self._prefixes[key] = prefix
         return prefix
 
@@ -386,9 +473,15 @@ class UpstreamClient:
         return await conn.send(request)
 
     def remove(self, base_url: str) -> None:
+        """The endpoint left the fleet: drop its pool (busy connections close when their request ends)."""
         pool = self._pools.pop(base_url, None)
         if pool is not None:
-            pool.close()
+            pool.retire()
+        for key in [k for k in self._prefixes if k[0] == base_url]:
+            del self._prefixes[key]
+
+    def has_pool(self, base_url: str) -> bool:
+        return base_url in self._pools
 
     async def close(self) -> None:
         for pool in self._pools.values():
