@@ -26,10 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.harness import sse
 from loadtest.harness.load import Budget, closed_loop, open_loop
+from loadtest.harness.scrape import ReplicaStats, fetch_metrics, replica_deltas, snapshot
+from loadtest.harness.scrape import sum_samples as _sum_samples  # noqa: F401  (tests use the old name)
 from loadtest.harness.sse import ENDPOINT_HEADER, Exchange
 from loadtest.workloads import WorkItem, Workload
 
@@ -45,9 +46,6 @@ __all__ = [
     "run_benchmark",
 ]
 
-_HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
-_QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
-_SUCCESS_NAMES = ("vllm:request_success_total",)
 _ERROR_TEXT_LIMIT = 500
 
 
@@ -124,21 +122,6 @@ class RequestRecord:
         return self.status == 200 and self.error is None
 
 
-@dataclass(slots=True)
-class ReplicaStats:
-    """Replica-side counter deltas over the run (from ``/metrics``)."""
-
-    url: str
-    prefix_queries: float = 0.0
-    prefix_hits: float = 0.0
-    requests: float = 0.0
-    error: str | None = None
-
-    @property
-    def hit_ratio(self) -> float | None:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries > 0 else None
-
-
 @dataclass
 class BenchResult:
     """Everything a report needs; round-trips through JSON."""
@@ -171,65 +154,6 @@ class BenchResult:
         data["records"] = [RequestRecord(**r) for r in data.get("records", [])]
         data["replica_stats"] = [ReplicaStats(**r) for r in data.get("replica_stats", [])]
         return cls(**data)
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def _sum_samples(text: str, names: tuple[str, ...]) -> float:
-    total = {n: 0.0 for n in names}
-    seen = dict.fromkeys(names, False)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in total:
-                total[sample.name] += sample.value
-                seen[sample.name] = True
-    for n in names:  # first known name wins: newer vLLM names before legacy ones
-        if seen[n]:
-            return total[n]
-    return 0.0
-
-
-async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Scrape one replica's prefix-cache and request counters."""
-    timeout = aiohttp.ClientTimeout(total=5)
-    async with session.get(f"{_normalize(url)}/metrics", timeout=timeout) as resp:
-        resp.raise_for_status()
-        text = await resp.text()
-    return {
-        "hits": _sum_samples(text, _HIT_NAMES),
-        "queries": _sum_samples(text, _QUERY_NAMES),
-        "requests": _sum_samples(text, _SUCCESS_NAMES),
-    }
-
-
-async def _snapshot(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float] | str]:
-    async def one(url: str) -> dict[str, float] | str:
-        try:
-            return await fetch_metrics(session, url)
-        except Exception as exc:  # a missing /metrics must not fail the benchmark
-            return f"{type(exc).__name__}: {exc}"[:_ERROR_TEXT_LIMIT]
-
-    values = await asyncio.gather(*(one(u) for u in urls))
-    return dict(zip(urls, values, strict=True))
-
-
-def _replica_deltas(before: dict[str, Any], after: dict[str, Any]) -> list[ReplicaStats]:
-    stats: list[ReplicaStats] = []
-    for url, b in before.items():
-        a = after.get(url)
-        if isinstance(b, str) or isinstance(a, str) or a is None:
-            stats.append(ReplicaStats(url, error=b if isinstance(b, str) else str(a)))
-            continue
-        stats.append(
-            ReplicaStats(
-                url,
-                prefix_queries=a["queries"] - b["queries"],
-                prefix_hits=a["hits"] - b["hits"],
-                requests=a["requests"] - b["requests"],
-            )
-        )
-    return stats
 
 
 # --------------------------------------------------------------------------- one request
@@ -304,6 +228,19 @@ class _Run:
 
         await open_loop(work, rate=rate, budget=self.budget, rng=rng)
 
+    async def drive(self, rate: float | None, concurrency: int | None, arrivals: random.Random) -> None:
+        """Open loop when ``rate`` is given (``concurrency`` caps it), else closed; to the deadline."""
+        items = iter(self.workload.items())
+        if rate is not None:
+            coro = self.open_loop(items, rate, concurrency, arrivals)
+        else:
+            assert concurrency is not None
+            coro = closed_loop(items, self.chain, concurrency=concurrency, budget=self.budget)
+        try:
+            await asyncio.wait_for(coro, timeout=self.budget.deadline - time.perf_counter())
+        except TimeoutError:
+            self.budget.stopped_by = "deadline"
+
 
 def _progress(enabled: bool) -> Any:
     if not enabled:
@@ -323,6 +260,17 @@ def _progress(enabled: bool) -> Any:
         TimeElapsedColumn(),
         transient=False,
     )
+
+
+def _check(rate: float | None, concurrency: int | None, max_requests: int, deadline_s: float) -> None:
+    if rate is None and concurrency is None:
+        raise ValueError("give rate (open-loop) and/or concurrency (closed-loop)")
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate!r}")
+    if concurrency is not None and concurrency <= 0:
+        raise ValueError(f"concurrency must be > 0, got {concurrency!r}")
+    if max_requests <= 0 or deadline_s <= 0:
+        raise ValueError("max_requests and deadline_s must be > 0")
 
 
 async def run_benchmark(
@@ -346,15 +294,7 @@ async def run_benchmark(
     flight; ``concurrency`` alone selects closed-loop.  ``replica_urls``
     defaults to the target's replicas and enables ``/metrics`` deltas.
     """
-    if rate is None and concurrency is None:
-        raise ValueError("give rate (open-loop) and/or concurrency (closed-loop)")
-    if rate is not None and not rate > 0:
-        raise ValueError(f"rate must be > 0, got {rate!r}")
-    if concurrency is not None and concurrency <= 0:
-        raise ValueError(f"concurrency must be > 0, got {concurrency!r}")
-    if max_requests <= 0 or deadline_s <= 0:
-        raise ValueError("max_requests and deadline_s must be > 0")
-
+    _check(rate, concurrency, max_requests, deadline_s)
     scrape = list(replica_urls if replica_urls is not None else target.replica_urls)
     total = min(max_requests, workload.total_requests)
     # Never queue inside the client: allow as many connections as requests may be in flight.
@@ -363,7 +303,7 @@ async def run_benchmark(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     started_at = time.time()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        before = await _snapshot(session, scrape) if scrape else {}
+        before = await snapshot(session, scrape) if scrape else {}
         with _progress(progress) as bar:
             task_id = bar.add_task(name or target.label, total=total) if bar is not None else None
 
@@ -373,19 +313,10 @@ async def run_benchmark(
 
             budget = Budget(deadline_s, max_requests)
             run = _Run(workload, target, session, budget, on_done)
-            items = iter(workload.items())
-            if rate is not None:
-                arrivals = random.Random(f"{workload.seed if seed is None else seed}/arrivals")
-                coro = run.open_loop(items, rate, concurrency, arrivals)
-            else:
-                assert concurrency is not None
-                coro = closed_loop(items, run.chain, concurrency=concurrency, budget=budget)
-            try:
-                await asyncio.wait_for(coro, timeout=deadline_s)
-            except TimeoutError:
-                budget.stopped_by = "deadline"
+            arrivals = random.Random(f"{workload.seed if seed is None else seed}/arrivals")
+            await run.drive(rate, concurrency, arrivals)
             duration = time.perf_counter() - budget.t0
-        after = await _snapshot(session, scrape) if scrape else {}
+        after = await snapshot(session, scrape) if scrape else {}
 
     return BenchResult(
         name=name or f"{workload.name} @ {target.label}",
@@ -398,6 +329,6 @@ async def run_benchmark(
         started_at=started_at,
         duration_s=duration,
         records=run.records,
-        replica_stats=_replica_deltas(before, after),
+        replica_stats=replica_deltas(before, after),
         stopped_by=budget.stopped_by,
     )

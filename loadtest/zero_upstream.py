@@ -55,9 +55,12 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def build_responses(model: str) -> dict[str, object]:
-    """Every answer as wire bytes: ``{key: bytes}`` plus ``stream_*``: a tuple of writes."""
-    usage = {"prompt_tokens": 5, "completion_tokens": STREAM_CHUNKS, "total_tokens": 5 + STREAM_CHUNKS}
+_USAGE = {"prompt_tokens": 5, "completion_tokens": STREAM_CHUNKS, "total_tokens": 5 + STREAM_CHUNKS}
+
+
+def _answers(model: str) -> dict[str, dict[str, object]]:
+    """The non-streaming JSON bodies."""
+    usage = _USAGE
     chat = {
         "id": "chatcmpl-zero",
         "object": "chat.completion",
@@ -80,14 +83,6 @@ def build_responses(model: str) -> dict[str, object]:
         "object": "list",
         "data": [{"id": model, "object": "model", "created": 0, "owned_by": "zero", "max_model_len": 4096}],
     }
-    metrics = (
-        "# TYPE vllm:num_requests_running gauge\n"
-        f'vllm:num_requests_running{{model_name="{model}"}} 0.0\n'
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        f'vllm:num_requests_waiting{{model_name="{model}"}} 0.0\n'
-        "# TYPE vllm:kv_cache_usage_perc gauge\n"
-        f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0\n'
-    ).encode()
     server_info = {
         "model_path": model,
         "tokenizer_path": model,
@@ -105,6 +100,24 @@ def build_responses(model: str) -> dict[str, object]:
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
     }
+    return {"chat": chat, "completion": completion, "models": models, "server_info": server_info,
+            "model_info": model_info}  # fmt: skip
+
+
+def _metrics(model: str) -> bytes:
+    return (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{model_name="{model}"}} 0.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="{model}"}} 0.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0\n'
+    ).encode()
+
+
+def _streams(model: str) -> dict[str, tuple[bytes, ...]]:
+    """The streaming answers: a tuple of socket writes each (head + first event, events, [DONE])."""
+    usage = _USAGE
 
     def sse_writes(make_chunk) -> tuple[bytes, ...]:
         head = (
@@ -140,18 +153,23 @@ def build_responses(model: str) -> dict[str, object]:
             "choices": [{"index": 0, "text": "z", "finish_reason": "stop" if last else None}],
         }
 
+    return {"stream_chat": sse_writes(chat_chunk), "stream_completion": sse_writes(completion_chunk)}
+
+
+def build_responses(model: str) -> dict[str, object]:
+    """Every answer as wire bytes: ``{key: bytes}`` plus ``stream_*``: a tuple of writes."""
     ok_json = "application/json"
+    answers = _answers(model)
     return {
         "health": _response("200 OK", "text/plain", b""),
-        "models": _response("200 OK", ok_json, _json(models)),
-        "metrics": _response("200 OK", "text/plain; version=0.0.4", metrics),
-        "server_info": _response("200 OK", ok_json, _json(server_info)),
-        "model_info": _response("200 OK", ok_json, _json(model_info)),
+        "models": _response("200 OK", ok_json, _json(answers["models"])),
+        "metrics": _response("200 OK", "text/plain; version=0.0.4", _metrics(model)),
+        "server_info": _response("200 OK", ok_json, _json(answers["server_info"])),
+        "model_info": _response("200 OK", ok_json, _json(answers["model_info"])),
         "load": _response("200 OK", ok_json, _json({"load": 0})),
-        "chat": _response("200 OK", ok_json, _json(chat)),
-        "completion": _response("200 OK", ok_json, _json(completion)),
-        "stream_chat": sse_writes(chat_chunk),
-        "stream_completion": sse_writes(completion_chunk),
+        "chat": _response("200 OK", ok_json, _json(answers["chat"])),
+        "completion": _response("200 OK", ok_json, _json(answers["completion"])),
+        **_streams(model),
         "not_found": _response("404 Not Found", ok_json, _json({"error": {"message": "not found"}})),
         "bad_request": _response("400 Bad Request", ok_json, _json({"error": {"message": "bad request"}})),
     }

@@ -81,6 +81,23 @@ class PDCounters:
         self.recomputed = 0
 
 
+class _Emit:
+    """One gauge or counter sample under the engine's labels."""
+
+    def __init__(self, names: list[str], values: list[str]) -> None:
+        self.names, self.values = names, values
+
+    def gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=self.names)
+        g.add_metric(self.values, value)
+        return g
+
+    def counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=self.names)
+        c.add_metric(self.values, value)
+        return c
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: Engine, pd: PDCounters) -> None:
         self.engine = engine
@@ -93,78 +110,73 @@ class _EngineCollector(Collector):
         return ["model_name"], [cfg.model]
 
     def collect(self) -> Iterator[Metric]:
-        e = self.engine
         names, values = self._labels()
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, value)
-            return c
-
-        if e.config.engine == "vllm":
-            yield gauge(
-                "vllm:num_requests_running", "Number of requests in model execution batches.", len(e.running)
-            )
-            yield gauge(
-                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(e.waiting)
-            )
-            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
-            yield counter(
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                e.kv.queries_tokens,
-            )
-            yield counter(
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                e.kv.hits_tokens,
-            )
-            yield counter(
-                "vllm:num_preemptions", "Cumulative number of preemption from the engine.", e.num_preemptions
-            )
-            yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
-            yield counter(
-                "vllm:generation_tokens", "Number of generation tokens processed.", e.generation_tokens_total
-            )
-            succ = CounterMetricFamily(
-                "vllm:request_success",
-                "Count of successfully processed requests.",
-                labels=[*names, "finished_reason"],
-            )
-            for reason in FINISHED_REASONS:
-                succ.add_metric([*values, reason], e.success[reason])
-            yield succ
-            info_labels = cache_config_labels(e.config)
-            info = GaugeMetricFamily(
-                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info_labels)
-            )
-            info.add_metric(list(info_labels.values()), 1.0)
-            yield info
+        emit = _Emit(names, values)
+        if self.engine.config.engine == "vllm":
+            yield from self._vllm(emit)
         else:
-            q = e.kv.queries_tokens
-            yield gauge(
-                "sglang:num_queue_reqs", "The number of requests in the waiting queue.", len(e.waiting)
-            )
-            yield gauge("sglang:num_running_reqs", "The number of running requests.", len(e.running))
-            yield gauge("sglang:token_usage", "The token usage.", e.kv.usage)
-            yield gauge(
-                "sglang:cache_hit_rate", "The prefix cache hit rate.", e.kv.hits_tokens / q if q else 0.0
-            )
-            yield counter(
-                "sglang:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total
-            )
-            yield counter(
-                "sglang:generation_tokens",
-                "Number of generation tokens processed.",
-                e.generation_tokens_total,
-            )
-            yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", e.kv.hits_tokens)
-            yield counter("sglang:num_requests", "Number of requests processed.", sum(e.finished.values()))
+            yield from self._sglang(emit)
+        yield from self._sim(emit)
+
+    def _vllm(self, emit: _Emit) -> Iterator[Metric]:
+        e, gauge, counter, names, values = self.engine, emit.gauge, emit.counter, emit.names, emit.values
+        yield gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", len(e.running)
+        )
+        yield gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(e.waiting)
+        )
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv.usage)
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            e.kv.queries_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            e.kv.hits_tokens,
+        )
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", e.num_preemptions
+        )
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
+        yield counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", e.generation_tokens_total
+        )
+        succ = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
+        for reason in FINISHED_REASONS:
+            succ.add_metric([*values, reason], e.success[reason])
+        yield succ
+        info_labels = cache_config_labels(e.config)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info_labels)
+        )
+        info.add_metric(list(info_labels.values()), 1.0)
+        yield info
+
+    def _sglang(self, emit: _Emit) -> Iterator[Metric]:
+        e, gauge, counter = self.engine, emit.gauge, emit.counter
+        q = e.kv.queries_tokens
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", len(e.waiting))
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", len(e.running))
+        yield gauge("sglang:token_usage", "The token usage.", e.kv.usage)
+        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", e.kv.hits_tokens / q if q else 0.0)
+        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", e.prompt_tokens_total)
+        yield counter(
+            "sglang:generation_tokens",
+            "Number of generation tokens processed.",
+            e.generation_tokens_total,
+        )
+        yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", e.kv.hits_tokens)
+        yield counter("sglang:num_requests", "Number of requests processed.", sum(e.finished.values()))
+
+    def _sim(self, emit: _Emit) -> Iterator[Metric]:
+        e, gauge, counter, names, values = self.engine, emit.gauge, emit.counter, emit.names, emit.values
         yield gauge(
             "sim:step_wall_over_model_ratio",
             "Recent engine step wall time over modelled step time (1 = faithful).",
