@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.support.upstreams import vllm_metrics
+
 __all__ = ["Engine", "RawServer", "running_engine", "running_raw", "self_signed"]
 
 
@@ -36,6 +38,10 @@ def self_signed(directory: Path, cn: str = "engine") -> tuple[Path, Path]:
 
 async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok", content_type="text/plain")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text=vllm_metrics(), content_type="text/plain")
 
 
 @dataclass
@@ -63,7 +69,7 @@ class Engine:
         p = self.prefix
         app.router.add_get(p + "/health", _ok)
         app.router.add_get(p + "/v1/models", self._models)
-        app.router.add_get(p + "/metrics", _ok)
+        app.router.add_get(p + "/metrics", _metrics)
         app.router.add_post(p + "/v1/chat/completions", self._chat)
         return app
 
