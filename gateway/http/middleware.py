@@ -1,18 +1,34 @@
-"""Outermost stage: request id, and every error turned into an OpenAI-style JSON body."""
+"""Outermost stage: request id, and every error — an unreadable or too slow request body
+included — turned into an OpenAI-style JSON body.
+
+It also keeps the table of in-flight requests that a shutdown uses to end what is still
+running when ``server.shutdown_timeout_s`` runs out: streams get an SSE error event and
+``data: [DONE]`` instead of a cut connection (see :class:`InFlight`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 import uuid
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError, error_body, error_response
 from gateway.http.state import STATE
 from gateway.proxy.forward import STREAM_STARTED
+from gateway.proxy.sse import SSE_DONE
 
-__all__ = ["REQUEST_ID", "error_middleware"]
+__all__ = [
+    "IN_FLIGHT",
+    "REQUEST_ID",
+    "InFlight",
+    "RequestBodyTimeout",
+    "error_middleware",
+    "remember_response",
+]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +41,56 @@ _HTTP_ERRORS = {
     413: ("invalid_request_error", "request_too_large"),
 }
 
+# The response a handler prepared (headers sent): recorded by the ``on_response_prepare``
+# signal, because the proxy builds the stream's response inside its own frames and a
+# handler cancelled mid-stream never returns it.
+_PREPARED: web.RequestKey[web.StreamResponse] = web.RequestKey("prepared_response", web.StreamResponse)
+
+
+class InFlight:
+    """Requests whose handler is running, so a shutdown can end them with a reason.
+
+    aiohttp's own shutdown, at its timeout, cancels the handler and closes the socket in
+    the same breath: a stream just stops (no error event, no ``[DONE]``; curl exit 18).
+    :meth:`cut` cancels the handlers first, with a reason; the middleware catches that
+    cancellation and writes the final event itself while the connection is still open.
+    """
+
+    def __init__(self) -> None:
+        self._running: dict[asyncio.Task[object], web.Request] = {}  # aiohttp requests are unhashable
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def add(self, task: asyncio.Task[object], request: web.Request) -> None:
+        self._running[task] = request
+
+    def discard(self, task: asyncio.Task[object]) -> None:
+        self._running.pop(task, None)
+
+    @staticmethod
+    def reason(request: web.Request) -> str | None:
+        return request.get(_CUT_REASON)
+
+    def cut(self, reason: str) -> int:
+        """Cancel every running handler, to be ended with ``reason``; how many there were."""
+        cut = 0
+        for task, request in list(self._running.items()):
+            if _CUT_REASON not in request and not task.done():
+                request[_CUT_REASON] = reason
+                task.cancel(reason)
+                cut += 1
+        return cut
+
+
+_CUT_REASON: web.RequestKey[str] = web.RequestKey("cut_reason", str)
+IN_FLIGHT: web.AppKey[InFlight] = web.AppKey("in_flight_requests", InFlight)
+
+
+async def remember_response(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` signal: keep the prepared response for :func:`_end_cut`."""
+    request[_PREPARED] = response
+
 
 def _request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id", "")
@@ -33,13 +99,85 @@ def _request_id(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
+class RequestBodyTimeout(Exception):
+    """Set on a request's body stream when it did not arrive within ``server.body_timeout_s``
+    (by the connection protocol, :mod:`gateway.http.server`); the handler's read raises it."""
+
+
+def _unreadable_body(request: web.Request, exc: Exception) -> web.Response:
+    """The body could not be read: too slow (408), or not what its Content-Encoding says (400).
+
+    Both are the client's doing, so no traceback. The connection is closed after the
+    answer, without aiohttp's lingering read of the rest: a trickle would go on, and a
+    broken encoding would only raise again. A valid gzip or deflate body never gets here:
+    aiohttp decodes it and the handler reads plain bytes.
+    """
+    _end_after_response(request)
+    if isinstance(exc, RequestBodyTimeout):
+        log.info("request from %s: %s; closing", request.remote, exc)
+        response = error_response(408, str(exc), "invalid_request_error", "request_timeout")
+    else:
+        encoding = request.headers.get("content-encoding")
+        detail = " ".join(str(exc).split())
+        log.info(
+            "request from %s: unreadable body (content-encoding %r): %s", request.remote, encoding, detail
+        )
+        if encoding:
+            message = f"the request body could not be decoded with its Content-Encoding {encoding!r}"
+        else:
+            message = "the request body could not be read (malformed chunked encoding or a short body)"
+        response = error_response(400, message, "invalid_request_error", "invalid_body_encoding")
+    response.force_close()
+    return response
+
+
+def _end_after_response(request: web.Request) -> None:
+    """Close once the response is out, without aiohttp's lingering read of the unread body
+    (our protocol class, :mod:`gateway.http.server`; apps served otherwise just linger)."""
+    end_after_response = getattr(request.protocol, "end_after_response", None)
+    if end_after_response is not None:
+        end_after_response()
+
+
+async def _end_cut(request: web.Request, reason: str) -> web.StreamResponse:
+    """The handler was cancelled by :meth:`InFlight.cut`: finish the response with ``reason``.
+
+    A stream whose headers are out gets an SSE error event and ``data: [DONE]`` (after a
+    blank line, which ends an event the upstream may have left half-written and is
+    ignored by SSE parsers otherwise); a request that had not started answering gets 503.
+    """
+    event = error_body(reason, "server_error", "gateway_shutting_down")
+    response = request.get(_PREPARED)
+    if response is None or not response.prepared:
+        return error_response(503, reason, "server_error", "gateway_shutting_down")
+    try:
+        await response.write(b"\n\ndata: " + json.dumps(event).encode() + b"\n\n" + SSE_DONE)
+        await response.write_eof()
+    except (ConnectionResetError, RuntimeError):
+        pass  # the client left meanwhile, or the body was already complete
+    return response
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     request_id = _request_id(request)
     request[REQUEST_ID] = request_id
     started = time.monotonic()
+    in_flight = request.app.get(IN_FLIGHT)
+    task = asyncio.current_task()
+    if in_flight is not None and task is not None:
+        in_flight.add(task, request)
     try:
         response = await handler(request)
+    except (RequestBodyTimeout, web.RequestPayloadError) as exc:
+        response = _unreadable_body(request, exc)
+    except asyncio.CancelledError:
+        reason = InFlight.reason(request)
+        if reason is None or task is None:
+            raise  # the client went away (handler_cancellation), or the loop is stopping
+        task.uncancel()
+        log.warning("request %s: ended by the gateway: %s", request_id, reason)
+        response = await _end_cut(request, reason)
     except GatewayError as exc:
         response = exc.to_response()
     except web.HTTPException as exc:
@@ -64,6 +202,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise  # headers are out: aiohttp closes the connection, the client sees it end
 
         response = error_response(500, "internal gateway error", "server_error", "internal_error")
+    finally:
+        if in_flight is not None and task is not None:
+            in_flight.discard(task)
     if not response.prepared:
         response.headers["x-request-id"] = request_id
     access_log = request.app[STATE].access_log
