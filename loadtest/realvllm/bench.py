@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.harness import sse
+from loadtest.harness.scrape import fetch_metrics
 from loadtest.realvllm.fleet import ReplicaOptions, install_signal_exits, running_fleet
 
 __all__ = [
@@ -81,21 +82,11 @@ class EngineCounters:
     hits: float
 
 
-def _sum(text: str, sample: str) -> float:
-    return sum(
-        s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample
-    )
-
-
 async def engine_counters(http: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, EngineCounters]:
     out = {}
     for url in urls:
-        async with http.get(url + "/metrics") as resp:
-            resp.raise_for_status()
-            text = await resp.text()
-        out[url] = EngineCounters(
-            _sum(text, "vllm:prefix_cache_queries_total"), _sum(text, "vllm:prefix_cache_hits_total")
-        )
+        counters = await fetch_metrics(http, url)
+        out[url] = EngineCounters(counters["queries"], counters["hits"])
     return out
 
 
@@ -142,12 +133,11 @@ async def run_workload(
     started = time.monotonic()
     for body in workload.bodies():
         result.requests += 1
-        async with http.post(gateway_url + "/v1/chat/completions", json=body) as resp:
-            payload = await resp.json(content_type=None)
-            if resp.status != 200:
-                result.failures.append(f"{resp.status}: {payload}")
-                continue
-        usage = payload["usage"]
+        answer = await sse.send(http, gateway_url + "/v1/chat/completions", body, error_chars=2000)
+        if not answer.ok or answer.usage is None:
+            result.failures.append(f"{answer.status}: {answer.error or 'no usage in the answer'}")
+            continue
+        usage = answer.usage
         result.prompt_tokens += usage["prompt_tokens"]
         result.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     result.wall_s = time.monotonic() - started

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.harness.ports import free_ports
+from loadtest.harness.procfs import process_tree, rss_kib
 
 __all__ = [
     "MODEL_NAME",
@@ -175,7 +176,7 @@ class Replica:
 
     def rss_bytes(self) -> int:
         """Resident memory of the API server and every process under it (engine core, worker)."""
-        return sum(_rss(pid) for pid in _tree(self.pid))
+        return sum((rss_kib(pid) or 0) * 1024 for pid in process_tree(self.pid))
 
     def terminate(self) -> None:
         """SIGTERM once (a second one makes uvicorn skip its graceful shutdown)."""
@@ -210,32 +211,6 @@ def _group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            out.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return out
-
-
-def _tree(root: int) -> list[int]:
-    children, out, todo = _children(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def _rss(pid: int) -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
