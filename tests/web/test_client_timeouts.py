@@ -150,7 +150,7 @@ async def test_a_long_stream_outlives_every_client_timeout(start_sim, start_gate
 def test_the_default_connection_cap_leaves_descriptors_for_upstreams():
     import resource
 
-    from gateway.http.server import connection_cap
+    from gateway.http.connections import connection_cap
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert connection_cap(123) == 123
