@@ -42,7 +42,9 @@ def _parse_scenarios(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=loadtest.faults.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.faults",
+        description=loadtest.faults.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rate", type=float, default=50.0, help="new requests per second (Poisson)")
     parser.add_argument(
