@@ -23,8 +23,9 @@ from pydantic import ValidationError
 
 from gateway.config import ConfigError, EndpointConfig, format_validation_error
 from gateway.errors import BadRequest, Conflict, NotFound, Unauthorized
-from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.endpoint import Endpoint, public_url
 from gateway.fleet.membership import ADMIN_SOURCE
+from gateway.fleet.networks import EndpointNetworks
 from gateway.http.state import STATE, GatewayState
 
 __all__ = ["add_admin_routes", "endpoint_row", "require_admin_key"]
@@ -33,7 +34,7 @@ __all__ = ["add_admin_routes", "endpoint_row", "require_admin_key"]
 def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[str, Any]:
     m = endpoint.metrics
     return {
-        "url": endpoint.url,
+        "url": public_url(endpoint.url),  # user info is a credential: never shown
         "role": endpoint.role.value,
         "engine": endpoint.engine.value,
         "models": sorted(endpoint.models),
@@ -85,10 +86,20 @@ def _target(state: GatewayState, request: web.Request, body: dict[str, Any]) -> 
     url = body.get("url", request.query.get("url"))
     if not isinstance(url, str) or not url:
         raise _bad("give the endpoint's url (body field or ?url=)")
-    endpoint = state.registry.get(url.rstrip("/"))
+    url = url.rstrip("/")
+    endpoint = state.registry.get(url)
+    if endpoint is None:  # answers show URLs without user info: accept them back
+        matches = [e for e in state.registry if e.base_url == url]
+        endpoint = matches[0] if len(matches) == 1 else None
     if endpoint is None:
-        raise NotFound(f"no endpoint {url!r}", code="endpoint_not_found")
+        raise NotFound(f"no endpoint {public_url(url)!r}", code="endpoint_not_found")
     return endpoint
+
+
+def _networks(state: GatewayState) -> EndpointNetworks:
+    config = state.config
+    redis = (config.prefix.redis_url, config.sessions.redis_url, config.auth.redis_url)
+    return EndpointNetworks.from_config(config.discovery, redis)
 
 
 def _admin(handler):
@@ -124,9 +135,12 @@ async def add_endpoint(state: GatewayState, request: web.Request) -> web.Respons
         config = EndpointConfig.model_validate(body)
     except ValidationError as exc:
         raise _bad(format_validation_error(exc)) from None
+    refusal = await _networks(state).refusal(config.url)
+    if refusal is not None:
+        raise _bad(f"url: {refusal}")
     owner = state.membership.source_of(config.url)
     if owner is not None:
-        raise Conflict(f"endpoint {config.url} already exists (from {owner})")
+        raise Conflict(f"endpoint {public_url(config.url)} already exists (from {owner})")
     try:
         state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
     except ConfigError as exc:
@@ -159,7 +173,7 @@ async def remove_endpoint(state: GatewayState, request: web.Request) -> web.Resp
     endpoint = _target(state, request, body)
     owner = state.membership.source_of(endpoint.url)
     if owner != ADMIN_SOURCE:
-        raise Conflict(f"endpoint {endpoint.url} comes from {owner}; change that source, or drain it here")
+        raise Conflict(f"endpoint {endpoint.name} comes from {owner}; change that source, or drain it here")
     remaining = [c for c in state.membership.endpoints_of(ADMIN_SOURCE) if c.url != endpoint.url]
     state.membership.apply(ADMIN_SOURCE, remaining)
     row = endpoint_row(state, endpoint, time.monotonic())
