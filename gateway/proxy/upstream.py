@@ -38,123 +38,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.proxy.upstream_response import ConnectFailed, ConnectionLost, UpstreamResponse
+
 __all__ = [
     "ConnectFailed",
     "ConnectionLost",
     "UpstreamClient",
     "UpstreamResponse",
 ]
-
-_HIGH_WATER = 512 * 1024  # buffered body bytes before we stop reading from the socket
-_LOW_WATER = 64 * 1024
-
-
-class UpstreamClientError(Exception):
-    pass
-
-
-class ConnectFailed(UpstreamClientError):
-    """The endpoint could not be reached; the request was not sent."""
-
-
-class ConnectionLost(UpstreamClientError):
-    def __init__(self, message: str, *, before_response: bool) -> None:
-        super().__init__(message)
-        self.before_response = before_response
-
-
-class UpstreamResponse:
-    """Status and headers of an upstream response, and its body as it arrives."""
-
-    __slots__ = (
-        "_buffered",
-        "_chunks",
-        "_conn",
-        "_done",
-        "_error",
-        "_on_end",
-        "_waiter",
-        "headers",
-        "status",
-    )
-
-    def __init__(self, conn: _Connection) -> None:
-        self._conn = conn
-        self._on_end: asyncio.Semaphore | None = None  # the pool slot this request holds
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self._chunks: deque[bytes] = deque()
-        self._buffered = 0
-        self._done = False
-        self._error: ConnectionLost | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "application/octet-stream")
-
-    # -- fed by the protocol ----------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
-            self._conn.pause_reading()
-        self._wake()
-
-    def _finish(self, error: ConnectionLost | None = None) -> None:
-        self._done = True
-        self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- consumer API -----------------------------------------------------------------
-    async def readany(self) -> bytes:
-        """The next body bytes as they arrived (possibly several chunks joined); b"" at the end."""
-        while not self._chunks:
-            if self._done:
-                if self._error is not None:
-                    raise self._error
-                return b""
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._drain())
-        self._buffered -= len(data)
-        if self._buffered < _LOW_WATER:
-            self._conn.resume_reading()
-        return data
-
-    def _drain(self) -> list[bytes]:
-        chunks = list(self._chunks)
-        self._chunks.clear()
-        return chunks
-
-    async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.readany():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def release(self) -> None:
-        """The body was read to the end: keep the connection for the next request if allowed."""
-        self._conn.finished(self)
-        self._end()
-
-    def close(self) -> None:
-        """Abort the connection now (the upstream sees the client go away)."""
-        self._conn.abort()
-        self._end()
-
-    def _end(self) -> None:
-        slot, self._on_end = self._on_end, None
-        if slot is not None:
-            slot.release()
 
 
 class _Connection(asyncio.Protocol):
