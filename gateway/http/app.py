@@ -20,7 +20,7 @@ from gateway.admission.queue import AdmissionController
 from gateway.admission.saturation import SaturationDetector
 from gateway.config import EndpointConfig, GatewayConfig, PrefixConfig, SessionConfig
 from gateway.fleet.autoscale import AutoscaleCollector
-from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.endpoint import Endpoint, Role
 from gateway.fleet.health import HealthChecker, HealthTracker
 from gateway.fleet.membership import CONFIG_SOURCE, FleetMembership
 from gateway.fleet.poller import MetricsPoller
@@ -45,7 +45,13 @@ from gateway.request.parse import ParseOptions
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry
 from gateway.sessions.affinity import SessionAffinity
-from gateway.sessions.store import MemorySessionStore, RedisSessionStore, SessionStore, SessionTokens
+from gateway.sessions.store import (
+    MemorySessionStore,
+    RedisSessionStore,
+    SessionStore,
+    SessionTokens,
+    rendezvous_pick,
+)
 
 __all__ = [
     "build_app",
@@ -54,6 +60,7 @@ __all__ = [
     "build_session_store",
     "parse_options",
     "proxy_settings",
+    "share_sessions_across_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,23 @@ def build_session_store(config: SessionConfig, metrics: GatewayMetrics) -> Sessi
         budget_s=config.redis_budget_s,
         on_fallback=lambda reason: metrics.session_fallbacks.labels(reason).inc(),
     )
+
+
+def share_sessions_across_workers(
+    config: GatewayConfig, store: SessionStore, registry: EndpointRegistry
+) -> None:
+    """With several workers and the memory store, sessions a worker has no pin for go to
+    the replica :func:`rendezvous_pick` chooses among the healthy ones, the same in every
+    worker, so a conversation stays on one replica across fresh connections. (The Redis
+    store is shared, so it needs none; one worker keeps the load-aware first placement.)"""
+    if config.server.workers == 1 or not isinstance(store, MemorySessionStore):
+        return
+
+    def hashed_pin(session_id: str) -> str | None:
+        names = (e.name for e in registry if e.healthy and e.role is not Role.PREFILL)
+        return rendezvous_pick(session_id, names)
+
+    store.fallback = hashed_pin
 
 
 def build_plugin_context(
@@ -145,6 +169,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
     membership = FleetMembership(registry)
     membership.seed(CONFIG_SOURCE, config.endpoints)
     context = build_plugin_context(config, metrics)
+    share_sessions_across_workers(config, context.sessions.store, registry)
     prefix, sessions, detector = context.prefix, context.sessions, context.saturation
     plugin_registry = plugin_registry or default_registry()
     breakers = CircuitBreakers(config.resilience, registry, metrics, scrape_timeout_s=config.scrape.timeout_s)

@@ -18,14 +18,14 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import redis.asyncio as aioredis
 
 from gateway.redis_guard import RedisGuard
 
-__all__ = ["MemorySessionStore", "RedisSessionStore", "SessionStore", "SessionTokens"]
+__all__ = ["MemorySessionStore", "RedisSessionStore", "SessionStore", "SessionTokens", "rendezvous_pick"]
 
 
 class SessionStore(Protocol):
@@ -44,11 +44,39 @@ class SessionStore(Protocol):
     async def close(self) -> None: ...
 
 
+def rendezvous_pick(session_id: str, names: Iterable[str]) -> str | None:
+    """The name with the highest hash of (session, name): highest-random-weight hashing.
+
+    Every process computes the same answer from the same names, with no shared state, and
+    when one replica leaves or joins only the sessions that hashed to it move.
+    """
+    key = session_id.encode()
+    best: str | None = None
+    best_weight = b""
+    for name in names:
+        weight = hashlib.blake2b(key + b"\x00" + name.encode(), digest_size=8).digest()
+        if weight > best_weight:
+            best, best_weight = name, weight
+    return best
+
+
 class MemorySessionStore:
-    def __init__(self, ttl_s: float, max_sessions: int) -> None:
+    """Pins in this process's memory: per gateway worker, not shared.
+
+    ``fallback`` answers for a session this process has no pin for. With several workers
+    (``server.workers``) the kernel spreads a client's connections across them, so the
+    wiring gives each worker the same deterministic fallback (:func:`rendezvous_pick` over
+    the healthy replicas): a conversation lands on the same replica whichever worker
+    receives it, without a shared store. A learned pin still wins where one exists.
+    """
+
+    def __init__(
+        self, ttl_s: float, max_sessions: int, fallback: Callable[[str], str | None] | None = None
+    ) -> None:
         self.ttl_s = ttl_s
         self._max = max_sessions
         self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (endpoint, expires)
+        self.fallback = fallback
 
     def get_now(self, session_id: str) -> str | None:
         entry = self._pins.get(session_id)
@@ -61,7 +89,10 @@ class MemorySessionStore:
         return endpoint
 
     async def get(self, session_id: str) -> str | None:
-        return self.get_now(session_id)
+        pinned = self.get_now(session_id)
+        if pinned is None and self.fallback is not None:
+            return self.fallback(session_id)
+        return pinned
 
     def pin(self, session_id: str, endpoint: str) -> None:
         self._pins[session_id] = (endpoint, time.monotonic() + self.ttl_s)
@@ -131,7 +162,12 @@ class RedisSessionStore:
 
 
 class SessionTokens:
-    """Opaque, signed replica tokens: ``base64url(endpoint) . hmac[:16]``."""
+    """Opaque, signed replica tokens: ``base64url(endpoint) . hmac[:16]``.
+
+    The secret must be the same in every process that may see the token back: all
+    instances (``sessions.token_secret``) and, when it is not set, all workers of one
+    instance (the parent generates one for them, :func:`gateway.http.server.serve`).
+    """
 
     def __init__(self, secret: str | None) -> None:
         self._key = (secret or secrets.token_hex(32)).encode()
