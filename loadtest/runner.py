@@ -29,7 +29,7 @@ import aiohttp
 
 from loadtest.harness import sse
 from loadtest.harness.load import Budget, closed_loop, open_loop
-from loadtest.harness.scrape import ReplicaStats, fetch_metrics, replica_deltas, snapshot
+from loadtest.harness.scrape import ReplicaStats, fetch_metrics, normalize_url, replica_deltas, snapshot
 from loadtest.harness.scrape import sum_samples as _sum_samples  # noqa: F401  (tests use the old name)
 from loadtest.harness.sse import ENDPOINT_HEADER, Exchange
 from loadtest.workloads import WorkItem, Workload
@@ -49,11 +49,6 @@ __all__ = [
 _ERROR_TEXT_LIMIT = 500
 
 
-def _normalize(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 # --------------------------------------------------------------------------- targets
 
 
@@ -70,7 +65,7 @@ class GatewayTarget:
     """A single base URL: the gateway, a peer router, or one replica."""
 
     def __init__(self, base_url: str, label: str | None = None) -> None:
-        self.base_url = _normalize(base_url)
+        self.base_url = normalize_url(base_url)
         self.label = label or f"gateway {self.base_url}"
         self.replica_urls: list[str] = []
 
@@ -84,7 +79,7 @@ class DirectRoundRobinTarget:
     def __init__(self, urls: list[str], label: str | None = None) -> None:
         if not urls:
             raise ValueError("DirectRoundRobinTarget needs at least one URL")
-        self.replica_urls = [_normalize(u) for u in urls]
+        self.replica_urls = [normalize_url(u) for u in urls]
         self.label = label or f"direct-rr x{len(self.replica_urls)}"
         self._cycle = itertools.cycle(self.replica_urls)
 

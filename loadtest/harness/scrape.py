@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ReplicaStats", "fetch_metrics", "replica_deltas", "snapshot", "sum_samples"]
+__all__ = ["ReplicaStats", "fetch_metrics", "normalize_url", "replica_deltas", "snapshot", "sum_samples"]
 
 _HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
@@ -20,7 +20,8 @@ _SUCCESS_NAMES = ("vllm:request_success_total",)
 _ERROR_TEXT_LIMIT = 500
 
 
-def _normalize(url: str) -> str:
+def normalize_url(url: str) -> str:
+    """A base URL without a trailing slash or ``/v1``."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
@@ -57,7 +58,7 @@ def sum_samples(text: str, names: tuple[str, ...]) -> float:
 async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """Scrape one replica's prefix-cache and request counters."""
     timeout = aiohttp.ClientTimeout(total=5)
-    async with session.get(f"{_normalize(url)}/metrics", timeout=timeout) as resp:
+    async with session.get(f"{normalize_url(url)}/metrics", timeout=timeout) as resp:
         resp.raise_for_status()
         text = await resp.text()
     return {
