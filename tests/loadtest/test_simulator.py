@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 
+from loadtest.harness.ports import free_port
 from loadtest.simulator import SimConfig, running_simulator
 
 MODEL = "sim-llama"
@@ -485,12 +486,6 @@ async def test_sglang_bootstrap_room_pd() -> None:
 # ---- CLI ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def _wait_healthy(s: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process) -> None:
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -506,7 +501,7 @@ async def _wait_healthy(s: aiohttp.ClientSession, url: str, proc: asyncio.subpro
 
 
 async def test_cli_replicas_supervised_and_stopped_by_sigterm() -> None:
-    base = _free_port()
+    base = free_port()
     # Two consecutive ports are needed; retry if the neighbour is taken.
     while True:
         try:
@@ -514,7 +509,7 @@ async def test_cli_replicas_supervised_and_stopped_by_sigterm() -> None:
                 sock.bind(("127.0.0.1", base + 1))
             break
         except OSError:
-            base = _free_port()
+            base = free_port()
     cmd = [
         sys.executable,
         "-m",
