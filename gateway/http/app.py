@@ -130,6 +130,7 @@ def build_plugin_context(
         metrics,
         block_bytes=config.prefix.block_bytes,
         default_capacity_blocks=config.prefix.capacity_blocks,
+        max_blocks=config.prefix.max_prompt_blocks,
     )
     detector = SaturationDetector(config.admission)
     sessions = SessionAffinity(

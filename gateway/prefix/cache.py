@@ -10,6 +10,7 @@ predictions grow it back slowly (+1 %). None of our peers use that signal.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from gateway.request.types import CHARS_PER_TOKEN, InferenceRequest
 __all__ = ["PrefixCache", "PrefixMatch", "PrefixState"]
 
 _TRUST_FLOOR = 0.25
+_HASH_OFF_LOOP_CHARS = 262_144  # ~0.5 ms of hashing: above it the thread hop is cheaper than the stall
 
 
 @dataclass(slots=True)
@@ -54,9 +56,11 @@ class PrefixCache:
         *,
         block_bytes: int,
         default_capacity_blocks: int,
+        max_blocks: int | None = None,
     ) -> None:
         self.index = index
         self.block_bytes = block_bytes
+        self.max_blocks = max_blocks
         self._metrics = metrics
         self._default_capacity = default_capacity_blocks
         self._engine_capacity: dict[str, int] = {}
@@ -67,16 +71,26 @@ class PrefixCache:
         """The request's prefix state, hashing its prompt on first use."""
         state = request.context.prefix
         if state is None:
-            hashes = block_hashes(request.model, request.prompt_text, self.block_bytes)
+            hashes = block_hashes(request.model, request.prompt_text, self.block_bytes, self.max_blocks)
             state = request.context.prefix = PrefixState(hashes)
         return state
+
+    async def prepared_state(self, request: InferenceRequest) -> PrefixState:
+        """:meth:`state`, with a long prompt hashed in a worker thread instead of on the event loop."""
+        if request.context.prefix is None and len(request.prompt_text) > _HASH_OFF_LOOP_CHARS:
+            hashes = await asyncio.to_thread(
+                block_hashes, request.model, request.prompt_text, self.block_bytes, self.max_blocks
+            )
+            if request.context.prefix is None:
+                request.context.prefix = PrefixState(hashes)
+        return self.state(request)
 
     def hashes(self, request: InferenceRequest) -> list[int]:
         return self.state(request).hashes
 
     async def match(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> PrefixMatch:
         """Match once per request; later callers (other scorers, other profiles) reuse it."""
-        state = self.state(request)
+        state = await self.prepared_state(request)
         cached = state.match
         if cached is not None and all(e in cached.matched for e in candidates):
             return cached

@@ -5,7 +5,9 @@ tokens, vLLM's default block). Block ``i``'s hash is the xxh3-64 digest of the m
 name and every byte up to the end of block ``i`` — computed incrementally with one
 streaming hasher, which is the chained (parent, block) hash without re-hashing.
 The trailing partial block is not indexed: an engine caches only full blocks too.
-Cost is linear in the prompt length, once per request.
+Cost is linear in the prompt length, once per request, and bounded: at most
+``max_blocks`` blocks are hashed (no engine caches a prefix longer than its context,
+so hashing a 15 MB prompt to the end only stalls the event loop).
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ DEFAULT_BLOCK_BYTES = 64
 _MODEL_SEPARATOR = b"\x00"
 
 
-def block_hashes(model: str, prompt: str, block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[int]:
-    data = prompt.encode("utf-8", "surrogatepass")
+def block_hashes(
+    model: str, prompt: str, block_bytes: int = DEFAULT_BLOCK_BYTES, max_blocks: int | None = None
+) -> list[int]:
+    if max_blocks is not None:
+        limit = max_blocks * block_bytes
+        prompt = prompt[:limit]  # a character is at least one byte: this keeps every needed byte
+        data = prompt.encode("utf-8", "surrogatepass")[:limit]
+    else:
+        data = prompt.encode("utf-8", "surrogatepass")
     hasher = xxhash.xxh3_64(model.encode("utf-8", "surrogatepass") + _MODEL_SEPARATOR)
     update, digest = hasher.update, hasher.intdigest
     view = memoryview(data)
