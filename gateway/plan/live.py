@@ -1,7 +1,7 @@
 """``llm-gateway plan --live URL``: size the fleet from what a running gateway observes.
 
 Reads the gateway's own ``/metrics``: its in-flight requests (current concurrency) and
-the per-pool autoscaling signals (``gateway/autoscale.py``): healthy replicas, KV-cache
+the per-pool autoscaling signals (``gateway/fleet/autoscale.py``): healthy replicas, KV-cache
 utilisation, queue depth, and how many replicas the observed load needs.
 """
 
