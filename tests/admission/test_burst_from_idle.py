@@ -61,7 +61,7 @@ def _check(by_class: Counter[tuple[str, int]], sims, finished_before: int = 0) -
     assert admitted_sheddable <= len(sims) * (SLOTS + QUEUE_THRESHOLD), by_class
     assert by_class[("sheddable", 429)] >= 60 - len(sims) * (SLOTS + QUEUE_THRESHOLD), by_class
     ok = sum(n for (_, status), n in by_class.items() if status == 200)
-    assert _finished(sims) - finished_before == ok  # one engine request per 200: nothing lost, nothing duplicated
+    assert _finished(sims) - finished_before == ok  # one engine request per 200: none lost or duplicated
 
 
 async def test_burst_from_idle_with_configured_capacity_and_slow_scrapes(
