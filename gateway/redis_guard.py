@@ -41,7 +41,7 @@ class RedisGuard:
         self.budget_s = budget_s
         self._retry_after_s = retry_after_s
         self._max_pending = max_pending_writes
-        self._on_fallback = on_fallback or (lambda reason: None)
+        self._on_fallback = on_fallback if on_fallback is not None else (lambda reason: None)
         self._skip_until = 0.0
         self._down = False
         self._pending: set[asyncio.Task[None]] = set()

@@ -146,7 +146,7 @@ class PDCoordinator:
         try:
             async with asyncio.timeout(self._config.prefill_timeout_s):
                 response = await self._client.post(
-                    endpoint.url, request.api.upstream_path, body, {"x-request-id": request.request_id}
+                    endpoint.url, request.api.upstream_path, body, _headers(request, endpoint)
                 )
                 payload = await response.read()
             if response.status != 200:
@@ -204,3 +204,11 @@ class PDCoordinator:
         if leg is not None and leg.task is not None and not leg.task.done():
             leg.task.cancel()
             await asyncio.gather(leg.task, return_exceptions=True)
+
+
+def _headers(request: InferenceRequest, endpoint: Endpoint) -> dict[str, str]:
+    """A prefill leg carries the same credentials as any request to that endpoint."""
+    headers = {"content-type": "application/json", "x-request-id": request.request_id}
+    if endpoint.auth_header is not None:
+        headers["authorization"] = endpoint.auth_header
+    return headers
