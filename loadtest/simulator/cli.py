@@ -58,6 +58,14 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's --shutdown-timeout: on SIGTERM let in-flight requests run this many seconds, "
         "then end them with finish_reason 'abort' (0, the default: at once)",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish vLLM's KV events (ZMQ PUB + replay ROUTER; GET /kv_event_sources tells where)",
+    )
+    parser.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free port)")
+    parser.add_argument("--kv-events-replay-port", type=int, default=0, help="replay ROUTER port (0: any)")
+    parser.add_argument("--kv-events-topic", default=d.kv_events_topic)
     parser.add_argument("--replicas", type=int, default=1, help="start N replicas, one process each")
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port with --replicas (default --port)"
@@ -83,6 +91,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len,
         shutdown_timeout_s=args.shutdown_timeout,
+        kv_events=getattr(args, "kv_events", False),
+        kv_events_port=getattr(args, "kv_events_port", 0),
+        kv_events_replay_port=getattr(args, "kv_events_replay_port", 0),
+        kv_events_topic=getattr(args, "kv_events_topic", "kv-events"),
     )
 
 
@@ -97,6 +109,11 @@ def _child_argv(args: argparse.Namespace, port: int, index: int) -> list[str]:
     argv = [sys.executable, "-m", "loadtest.simulator", "--port", str(port)]
     for key in _PASSTHROUGH:
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if getattr(args, "kv_events", False):  # each child its own ports: given ones offset by 2 per replica
+        kv_port, replay_port = args.kv_events_port, args.kv_events_replay_port
+        argv += ["--kv-events", "--kv-events-topic", args.kv_events_topic]
+        argv += ["--kv-events-port", str(kv_port + 2 * index if kv_port else 0)]
+        argv += ["--kv-events-replay-port", str(replay_port + 2 * index if replay_port else 0)]
     return [*argv, "--seed", str(args.seed + index)]
 
 

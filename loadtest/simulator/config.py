@@ -40,6 +40,11 @@ class SimConfig:
     # vLLM's --shutdown-timeout: on SIGTERM, seconds to let in-flight requests finish before the
     # rest are aborted. 0 (vLLM's default) aborts them at once.
     shutdown_timeout_s: float = 0.0
+    # vLLM's --kv-events-config: publish KV events (ZMQ PUB + replay ROUTER; 0 = any free port).
+    kv_events: bool = False
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    kv_events_topic: str = "kv-events"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

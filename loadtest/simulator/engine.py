@@ -111,6 +111,7 @@ class Engine:
         self.stats = StepStats()
         self.on_first_token: Callable[[SimRequest], None] | None = None
         self.on_finish: Callable[[SimRequest], None] | None = None
+        self.on_step: Callable[[], None] | None = None  # after each step (KV-event publishing)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lag = 0.0
@@ -272,6 +273,8 @@ class Engine:
             delay = model_s - self._lag - (loop.time() - t0)
             await asyncio.sleep(max(0.0, delay))
             self._complete(batch)
+            if self.on_step is not None:
+                self.on_step()
             wall = loop.time() - t0
             self._lag = max(0.0, self._lag + wall - model_s)
             self._lag = min(self._lag, 1.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -55,6 +56,9 @@ class KVCache:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions = 0
+        # KV events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) as plain tuples, for
+        # loadtest.simulator.kv_events to publish after each step; None: not recorded (the default).
+        self.events: list[tuple[Any, ...]] | None = None
 
     # ---- state -------------------------------------------------------------
     @property
@@ -115,6 +119,8 @@ class KVCache:
             if old is not None:
                 if self.cached.get(old) == bid:
                     del self.cached[old]
+                    if self.events is not None:
+                        self.events.append(("removed", old))
                 self.block_hash[bid] = None
                 self.evictions += 1
             self.ref[bid] = 1
@@ -131,7 +137,8 @@ class KVCache:
         if n_full <= len(seq.hashes):
             return []
         parent = seq.hashes[-1] if seq.hashes else None
-        new = block_hashes(tokens[: n_full * self.block_size], self.block_size, len(seq.hashes), parent)
+        bs = self.block_size
+        new = block_hashes(tokens[: n_full * bs], bs, len(seq.hashes), parent)
         created: list[int] = []
         for i, h in enumerate(new, start=len(seq.hashes)):
             bid = seq.block_ids[i]
@@ -139,8 +146,22 @@ class KVCache:
                 self.cached[h] = bid
                 self.block_hash[bid] = h
                 created.append(i)
+                if self.events is not None:
+                    k = i - 1 - len(seq.hashes)
+                    block_parent = None if i == 0 else new[k] if k >= 0 else seq.hashes[i - 1]
+                    self.events.append(("stored", h, block_parent, tokens[i * bs : (i + 1) * bs]))
         seq.hashes.extend(new)
         return created
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block, only when none is in use."""
+        if self.num_free != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
 
     def free(self, seq: SeqBlocks) -> None:
         """Drop a sequence's references; blocks stay cached, tail blocks are evicted first."""

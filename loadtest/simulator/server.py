@@ -26,6 +26,8 @@ from loadtest.harness.ports import free_port
 
 from .config import SimConfig
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
+from .kv_events import KVEventPublisher
+from .kv_http import KVHandlers
 from .metrics import PDCounters, SimMetrics
 from .pd import REGISTRY
 from .pd_http import PDHandlers
@@ -59,6 +61,7 @@ class SimState:
     fault: Fault = field(default_factory=Fault)
     port: int = 0
     client: aiohttp.ClientSession | None = None  # P/D: claims KV from prefill replicas in other processes
+    kv_events: KVEventPublisher | None = None  # with config.kv_events
 
 
 STATE_KEY = web.AppKey("sim_state", SimState)
@@ -95,7 +98,7 @@ async def _wait_disconnect(request: web.Request) -> None:
         await asyncio.sleep(0.05)
 
 
-class _Handlers(PDHandlers):
+class _Handlers(PDHandlers, KVHandlers):
     def __init__(self, state: SimState) -> None:
         self.s = state
 
@@ -289,12 +292,28 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post("/admin/fault", h.admin_fault)
     app.router.add_post("/internal/pd/claim", h.pd_claim)
     app.router.add_get("/internal/pd/room/{room}", h.pd_room)
+    app.router.add_get("/kv_event_sources", h.kv_event_sources)
+    app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
+    if config.kv_events:
+        h.kv_publisher = state.kv_events = KVEventPublisher(
+            engine.kv,
+            host=config.host,
+            port=config.kv_events_port,
+            replay_port=config.kv_events_replay_port,
+            topic=config.kv_events_topic,
+        )
+        engine.on_step = h.kv_publisher.flush
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         REGISTRY.engines.add(state.engine_id)
         state.client = aiohttp.ClientSession()
+        if state.kv_events is not None:
+            await state.kv_events.start()
         engine.start()
         yield
+        if state.kv_events is not None:
+            await state.kv_events.close()
         REGISTRY.engines.discard(state.engine_id)
         await engine.stop()
         if state.client is not None:
