@@ -2,8 +2,8 @@
 
 Runs at start-up (and on reload), so unknown plugin types, plugins used in the wrong
 place and bad parameters fail before the first request, with the config key in the
-message. Knows no plugin by name except through the registry it is given: the
-defaults (``single`` handler, ``max-score`` picker) are looked up there too.
+message. Knows no plugin by name: what a config leaves out (the profile handler, a
+profile's picker) is the registry's default, which the wiring sets.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from gateway.scheduling.framework import PluginContext, PluginKind
 from gateway.scheduling.registry import PluginRegistry
 from gateway.scheduling.scheduler import Profile, Scheduler, WeightedScorer
 
-__all__ = ["DEFAULT_HANDLER", "DEFAULT_PICKER", "build_scheduler"]
-
-DEFAULT_HANDLER = "single"  # profile handler when the config names none
-DEFAULT_PICKER = "max-score"  # picker of a profile that names none
+__all__ = ["build_scheduler"]
 
 
 def build_scheduler(
@@ -46,7 +43,8 @@ def build_scheduler(
     if handlers:
         handler = handlers[0]
     else:
-        handler = registry.get(DEFAULT_HANDLER).factory(DEFAULT_HANDLER, {}, context)
+        default = registry.default(PluginKind.PROFILE_HANDLER)
+        handler = default.factory(default.type_name, {}, context)
 
     profiles: dict[str, Profile] = {}
     for p_index, spec in enumerate(profile_specs):
@@ -66,7 +64,11 @@ def build_scheduler(
                 )
         if len(pickers) > 1:
             raise ConfigError(f"profiles.{p_index}.plugins: a profile takes one picker, got {len(pickers)}")
-        picker = pickers[0] if pickers else registry.get(DEFAULT_PICKER).factory(DEFAULT_PICKER, {}, context)
+        if pickers:
+            picker = pickers[0]
+        else:
+            default = registry.default(PluginKind.PICKER)
+            picker = default.factory(default.type_name, {}, context)
         if spec.name in profiles:
             raise ConfigError(f"profiles.{p_index}.name: duplicate profile {spec.name!r}")
         profiles[spec.name] = Profile(spec.name, tuple(filters), tuple(scorers), picker)

@@ -33,8 +33,27 @@ class PluginType:
 
 
 class PluginRegistry:
+    """Plugin types by name, and which of them fill in what a config leaves out.
+
+    The defaults (the profile handler when none is configured, the picker of a profile
+    that names none) are the wiring's choice, set with :meth:`set_default`: the framework
+    knows no plugin by name.
+    """
+
     def __init__(self) -> None:
         self._types: dict[str, PluginType] = {}
+        self._defaults: dict[PluginKind, str] = {}
+
+    def set_default(self, kind: PluginKind, type_name: str) -> None:
+        if self.get(type_name).kind is not kind:
+            raise ValueError(f"plugin type {type_name!r} is not a {kind.value}")
+        self._defaults[kind] = type_name
+
+    def default(self, kind: PluginKind) -> PluginType:
+        try:
+            return self.get(self._defaults[kind])
+        except KeyError:
+            raise KeyError(f"no default {kind.value} is registered") from None
 
     def register(self, type_name: str, kind: PluginKind, factory: PluginFactory) -> None:
         if type_name in self._types:
