@@ -17,6 +17,7 @@ from policies.scorers import (
     prefix_cost,
     queue_depth,
     session_affinity,
+    slo_headroom,
 )
 
 __all__ = ["BUILTIN_PLUGINS", "register_builtin_plugins"]
@@ -31,6 +32,7 @@ BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
         prefix_cost,
         cache_room,
         session_affinity,
+        slo_headroom,
     ),
     PluginKind.PICKER: (max_score, random_pick, round_robin),
     PluginKind.PROFILE_HANDLER: (single, pd_disagg),

@@ -3,10 +3,14 @@
 - ``critical``: admitted at once, ahead of everything, bounded only by a hard concurrency
   cap (beyond it, it queues first in line);
 - ``standard``: admitted while the pool has headroom; otherwise waits in a bounded queue
-  (fair across tenants: round-robin) until headroom returns or its deadline passes → 429;
+  (fair across tenants: round-robin; within a tenant earliest deadline first — the TTFT
+  objective's deadline, else arrival + ``queue_timeout_s``, so without SLOs it is FIFO)
+  until headroom returns or its deadline passes → 429;
 - ``sheddable``: admitted only with headroom and nobody queued; otherwise served by the
   fallback model if one is configured and has room (degraded), else 429 at once.
   Under partial pressure (half the pool saturated) its ``max_tokens`` may be clamped.
+  With a TTFT objective it is also refused when no replica is predicted (by the learned
+  latency model, confidently) to produce its first token before the deadline.
 
 Every refusal is a 429 with ``Retry-After`` and an OpenAI-style error saying why. A
 queued request whose client disconnects leaves the queue at once (its task is
@@ -17,10 +21,12 @@ open when metrics are stale.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
+import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.admission.saturation import SaturationDetector
@@ -30,9 +36,12 @@ from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.types import InferenceRequest, Priority
 
-__all__ = ["AdmissionController", "RateLimited", "Ticket", "rewrite_body"]
+__all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftEstimate", "rewrite_body"]
 
 _PRIORITIES = tuple(Priority)
+
+# The best predicted TTFT (ms) of a request over the candidates, None when no prediction is trusted.
+TtftEstimate = Callable[[InferenceRequest, Sequence[Endpoint]], Awaitable[float | None]]
 
 
 class RateLimited(GatewayError):
@@ -53,6 +62,7 @@ class _Waiter:
     request: InferenceRequest
     future: asyncio.Future[None]
     enqueued_at: float = field(default_factory=time.monotonic)
+    due: float = math.inf  # standard queue order: earliest first
 
 
 class AdmissionController:
@@ -62,8 +72,10 @@ class AdmissionController:
         detector: SaturationDetector,
         metrics: GatewayMetrics,
         candidates_for: Callable[[str], Sequence[Endpoint]],
+        ttft_estimate: TtftEstimate | None = None,
     ) -> None:
         self._config = config
+        self._ttft_estimate = ttft_estimate
         self._detector = detector
         self._metrics = metrics
         self._candidates_for = candidates_for
@@ -109,6 +121,8 @@ class AdmissionController:
             return await self._wait(request, self._critical)
         saturated = self._saturated(request.model)
         if priority == "sheddable":
+            if not saturated and not self.queued():
+                await self._check_slo(request)
             return self._admit_sheddable(request, saturated)
         if not saturated and not self.queued():
             return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
@@ -116,6 +130,26 @@ class AdmissionController:
             raise self._refuse(priority, "queue_full", "the admission queue is full")
         queue = self._standard.setdefault(request.tenant, deque())
         return await self._wait(request, queue)
+
+    async def _check_slo(self, request: InferenceRequest) -> None:
+        """Refuse sheddable work that no replica is predicted to start in time (fail open)."""
+        slo = request.slo
+        if slo is None or slo.deadline is None or self._ttft_estimate is None:
+            return
+        if not self._config.slo.shed_sheddable:
+            return
+        best = await self._ttft_estimate(request, self._candidates_for(request.model))
+        if best is None:
+            return
+        left_ms = (slo.deadline - time.monotonic()) * 1000
+        if best > left_ms * self._config.slo.shed_margin:
+            raise self._refuse(
+                "sheddable",
+                "slo_unmeetable",
+                f"no replica is predicted to answer within its TTFT objective ({slo.ttft_ms:g} ms;"
+                f" best predicted {best:.0f} ms)",
+                retry_after=max(self._config.retry_after_s, (best - left_ms) / 1000),
+            )
 
     def _admit_sheddable(self, request: InferenceRequest, saturated: bool) -> Ticket:
         degrade = self._config.degrade
@@ -137,9 +171,15 @@ class AdmissionController:
     async def _wait(self, request: InferenceRequest, queue: deque[_Waiter]) -> Ticket:
         priority = request.priority
         waiter = _Waiter(request, asyncio.get_running_loop().create_future())
-        queue.append(waiter)
         if priority != "critical":
+            deadline = request.slo.deadline if request.slo is not None else None
+            if deadline is None:
+                deadline = waiter.enqueued_at + self._config.queue_timeout_s
+            waiter.due = deadline
+            bisect.insort_right(queue, waiter, key=_due)  # after equal deadlines: FIFO among them
             self._queued_standard += 1
+        else:
+            queue.append(waiter)
         self._publish_queue()
         self._metrics.admission.labels(priority, "queued", "saturated").inc()
         try:
@@ -214,12 +254,12 @@ class AdmissionController:
         self._metrics.child(self._metrics.admission, ticket.priority, outcome, reason).inc()
         return ticket
 
-    def _refuse(self, priority: str, reason: str, why: str) -> RateLimited:
+    def _refuse(self, priority: str, reason: str, why: str, retry_after: float | None = None) -> RateLimited:
         self._metrics.admission.labels(priority, "shed", reason).inc()
         return RateLimited(
             f"request not admitted ({priority} priority): {why}; retry later",
             code=f"rate_limit_exceeded.{reason}",
-            retry_after=self._config.retry_after_s,
+            retry_after=self._config.retry_after_s if retry_after is None else retry_after,
         )
 
     def _publish_queue(self) -> None:
@@ -231,6 +271,10 @@ class AdmissionController:
             self._metrics.endpoint_saturated.labels(endpoint.name).set(
                 1 if self._detector.saturated(endpoint) else 0
             )
+
+
+def _due(waiter: _Waiter) -> float:
+    return waiter.due
 
 
 def rewrite_body(request: InferenceRequest) -> None:

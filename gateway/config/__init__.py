@@ -26,6 +26,7 @@ from gateway.config.fleet import (
     ScrapeConfig,
     check_endpoint_url,
 )
+from gateway.config.slo import SloConfig, SloTarget
 from gateway.request.types import Priority
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "ResilienceConfig",
     "ScrapeConfig",
     "SessionConfig",
+    "SloConfig",
+    "SloTarget",
     "check_endpoint_url",
     "format_validation_error",
     "load_config",
@@ -146,6 +149,7 @@ class AdmissionConfig(_Strict):
     endpoint_max_concurrency: int = Field(0, ge=0, description="per-endpoint in-flight cap; 0 = none")
     retry_after_s: float = Field(1.0, gt=0)
     degrade: DegradeConfig = Field(default_factory=DegradeConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
     engine_priority: dict[Priority, int] | None = Field(
         None,
         description="send each class's value as the body's `priority` (vLLM/SGLang priority scheduling;"

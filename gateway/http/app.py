@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from gateway.admission.latency_model import LatencyModel
 from gateway.admission.queue import AdmissionController
 from gateway.admission.saturation import SaturationDetector
 from gateway.config import EndpointConfig, GatewayConfig, PrefixConfig, SessionConfig
@@ -31,6 +32,7 @@ from gateway.http.handlers import add_routes
 from gateway.http.middleware import error_middleware
 from gateway.http.plugins import default_registry
 from gateway.http.routing import build_routing
+from gateway.http.slo import ttft_estimator
 from gateway.http.state import STATE, GatewayState
 from gateway.ops.metrics import GatewayMetrics
 from gateway.ops.tasks import supervise
@@ -42,6 +44,7 @@ from gateway.proxy.pd import PDCoordinator
 from gateway.proxy.resilience import CircuitBreakers, RetryBudget
 from gateway.proxy.upstream import UpstreamClient
 from gateway.request.parse import ParseOptions
+from gateway.request.slo import SloOptions
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry
 from gateway.sessions.affinity import SessionAffinity
@@ -140,7 +143,11 @@ def build_plugin_context(
         metrics,
         config.sessions.token_header,
     )
-    return PluginContext(metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector)
+    slo = config.admission.slo
+    latency = LatencyModel(detector, horizon=slo.horizon, min_samples=slo.min_samples)
+    return PluginContext(
+        metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector, latency=latency
+    )
 
 
 def proxy_settings(config: GatewayConfig) -> ProxySettings:
@@ -160,6 +167,11 @@ def parse_options(config: GatewayConfig) -> ParseOptions:
         priority_header=config.admission.priority_header,
         tenant_header=config.admission.tenant_header,
         max_json_depth=config.server.max_json_depth,
+        slo=SloOptions(
+            ttft_header=config.admission.slo.ttft_header,
+            tpot_header=config.admission.slo.tpot_header,
+            defaults={p: (t.ttft_ms, t.tpot_ms) for p, t in config.admission.slo.defaults.items()},
+        ),
     )
 
 
@@ -182,7 +194,13 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         routing=build_routing(config, plugin_registry, context, breakers, health.mark_failed),
         prefix=prefix,
         sessions=sessions,
-        admission=AdmissionController(config.admission, detector, metrics, registry.candidates),
+        admission=AdmissionController(
+            config.admission,
+            detector,
+            metrics,
+            registry.candidates,
+            ttft_estimator(prefix, context.latency) if context.latency is not None else None,
+        ),
         access_log=AccessLog(config.server.access_log == "json"),
         breakers=breakers,
         health=health,
@@ -249,6 +267,8 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
             forget(endpoint)
             state.breakers.forget(endpoint.url)
             state.metrics.forget_endpoint(endpoint.name)  # its series would be exported forever
+            if state.plugin_context.latency is not None:
+                state.plugin_context.latency.forget(endpoint.name)
             client.remove(endpoint.url)  # idle connections close now, busy ones when done
 
     def on_added(endpoints: list[Endpoint]) -> None:

@@ -48,6 +48,14 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
         (PluginSpec(type="cache-room"), 0.1),
         (PluginSpec(type="session-affinity"), 0.5),
     ),
+    # Learned latency against each request's TTFT objective (prefix hits through the uncached
+    # tokens); prefix-cost and cache room break ties between replicas with the same headroom.
+    "slo-aware": _preset(
+        _TIE_BREAK,
+        (PluginSpec(type="slo-headroom"), 1),
+        (PluginSpec(type="prefix-cost"), 0.2),
+        (PluginSpec(type="cache-room"), 0.05),
+    ),
 }
 DEFAULT_POLICY = "prefix-aware"
 

@@ -25,6 +25,7 @@ from gateway.proxy.hooks import (
     RequestHooks,
     SessionHook,
 )
+from gateway.proxy.latency_hook import LatencyHook
 from gateway.proxy.resilience import CircuitBreakers
 from gateway.scheduling.build import build_scheduler
 from gateway.scheduling.framework import PluginContext
@@ -61,4 +62,6 @@ def build_routing(
     if scheduler.preparers:  # only policies that read the prefix index pay for hashing and recording
         attempt.append(PrefixHook(context.prefix, context.metrics))
         prefill.append(PrefixHook(context.prefix, context.metrics, count_overrides=False))
+    if context.latency is not None:  # first: it sees the replica as routing did, before this attempt
+        attempt.insert(0, LatencyHook(context.latency, context.prefix, context.metrics))
     return Routing(scheduler, HookSet(HookChain(attempt), HookChain(prefill)))

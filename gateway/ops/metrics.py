@@ -244,6 +244,17 @@ class GatewayMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        # The latency model (admission/latency_model.py): what it predicted at send against what
+        # each streamed answer's TTFT was, per replica; and the share of SLO'd requests served in time.
+        self.ttft_predicted, self.ttft_observed = (
+            Histogram(f"llm_gateway_latency_model_{kind}_ttft_seconds", f"TTFT {kind} per replica ({text})",
+                      ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+            for kind, text in (("predicted", "at send"), ("observed", "streamed answers"))
+        )  # fmt: skip
+        self.slo_results = Counter(
+            "llm_gateway_slo_requests", "Requests with a TTFT objective, by priority and met/missed",
+            ["priority", "result"], registry=r,
+        )  # fmt: skip
         self.endpoint_saturated = Gauge(
             "llm_gateway_endpoint_saturated",
             "1 if the saturation detector considers the endpoint saturated (unknown counts as 0)",
@@ -358,6 +369,8 @@ class GatewayMetrics:
             (self.prefix_mispredictions, ("endpoint",)),
             (self.ejections, ("endpoint", "reason")),
             (self.ejections_skipped, ("endpoint",)),
+            (self.ttft_predicted, ("endpoint",)),
+            (self.ttft_observed, ("endpoint",)),
         ]
 
     def forget_endpoint(self, name: str) -> None:

@@ -9,7 +9,7 @@ session id, priority, tenant. The parsed body is kept; it is what the proxy send
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -18,6 +18,7 @@ from gateway.errors import BadRequest
 from gateway.request.fields import check_fields
 from gateway.request.guards import load_object
 from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
+from gateway.request.slo import SloOptions, parse_slo
 from gateway.request.types import CHARS_PER_TOKEN, ApiKind, InferenceRequest, Priority
 
 __all__ = ["DEFAULT_OPTIONS", "ParseOptions", "parse_request", "session_key"]
@@ -34,6 +35,7 @@ class ParseOptions:
     priority_header: str = "x-priority"
     tenant_header: str = "x-tenant-id"
     max_json_depth: int = 32
+    slo: SloOptions = field(default_factory=SloOptions)
 
 
 DEFAULT_OPTIONS = ParseOptions()
@@ -110,4 +112,5 @@ def parse_request(
         tenant=headers.get(options.tenant_header) or "default",
         debug=headers.get("x-gateway-debug") == "1",
         headers=headers,
+        slo=parse_slo(headers, priority, options.slo),
     )

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # slot types owned by the stages that write them
+    from gateway.admission.latency_model import LatencySample
     from gateway.prefix.cache import PrefixState
     from gateway.proxy.pd import PDState
     from gateway.scheduling.result import PDDecision
@@ -26,6 +27,7 @@ __all__ = [
     "Priority",
     "RequestContext",
     "RouteTrace",
+    "Slo",
     "Usage",
 ]
 
@@ -77,6 +79,20 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class Slo:
+    """The request's latency objectives (``x-slo-*`` headers, else the priority's defaults).
+
+    ``deadline`` is the monotonic instant its first token is due: arrival + ``ttft_ms``
+    (None without a TTFT objective). Queueing spends from it; routing and shedding read
+    what is left of it.
+    """
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RouteTrace:
     """Why the request went where it did: for the access log."""
 
@@ -97,6 +113,7 @@ class RequestContext:
     pd: PDState | None = None  # proxy: prefill legs of this request
     prefix: PrefixState | None = None  # prefix cache: block hashes, match, pending prefill
     session: SessionPin | None = None  # session affinity: the pin and whether it was usable
+    latency: LatencySample | None = None  # latency model: features and prediction at send
 
 
 @dataclass(slots=True)
@@ -116,4 +133,5 @@ class InferenceRequest:
     tenant: str = "default"
     debug: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
+    slo: Slo | None = None  # parse: latency objectives and the first token's deadline
     context: RequestContext = field(default_factory=RequestContext)

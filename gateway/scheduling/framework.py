@@ -23,6 +23,7 @@ from gateway.request.types import InferenceRequest
 from gateway.scheduling.result import ScoredEndpoint
 
 if TYPE_CHECKING:
+    from gateway.admission.latency_model import LatencyModel
     from gateway.admission.saturation import SaturationDetector
     from gateway.ops.metrics import GatewayMetrics
     from gateway.prefix.cache import PrefixCache
@@ -54,6 +55,7 @@ class PluginContext:
     prefix: PrefixCache
     sessions: SessionAffinity
     saturation: SaturationDetector
+    latency: LatencyModel | None = None  # the online TTFT/TPOT model (SLO-aware scoring)
 
 
 class Filter(Protocol):

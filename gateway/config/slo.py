@@ -1,0 +1,36 @@
+"""``admission.slo``: latency objectives per request, the online latency model, SLO shedding."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gateway.config.base import Strict
+from gateway.request.types import Priority
+
+__all__ = ["SloConfig", "SloTarget"]
+
+
+class SloTarget(Strict):
+    ttft_ms: float | None = Field(None, gt=0, le=3_600_000, description="time to first token objective")
+    tpot_ms: float | None = Field(None, gt=0, le=3_600_000, description="time per output token objective")
+
+
+class SloConfig(Strict):
+    ttft_header: str = "x-slo-ttft-ms"
+    tpot_header: str = "x-slo-tpot-ms"
+    defaults: dict[Priority, SloTarget] = Field(
+        default_factory=dict,
+        description="objectives for requests that send no x-slo-* header, by priority; none by default",
+    )
+    shed_sheddable: bool = Field(
+        True, description="refuse (429) sheddable requests that no replica is predicted to serve in time"
+    )
+    min_samples: int = Field(
+        20, ge=1, description="observations a replica's model needs (else the fleet's) before it sheds"
+    )
+    shed_margin: float = Field(
+        1.0, gt=0, description="shed when the best predicted TTFT exceeds the time left × this"
+    )
+    horizon: int = Field(
+        500, ge=10, description="latency model memory, in observations (older ones fade exponentially)"
+    )
