@@ -3,11 +3,16 @@
 Every stage raises a ``GatewayError`` subclass; the middleware turns it into
 ``{"error": {"message", "type", "code", "param"}}`` with the right status. Nothing
 else in the code base decides status codes for gateway-made errors.
+
+The body's *format* is per route (:func:`error_format`): the Anthropic Messages routes
+answer ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's error types,
+as the Anthropic SDKs parse; every other route the OpenAI body. Same statuses.
 """
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +22,7 @@ __all__ = [
     "BadRequest",
     "Conflict",
     "EndpointUnavailable",
+    "ErrorFormat",
     "Forbidden",
     "GatewayError",
     "MethodNotAllowed",
@@ -28,8 +34,42 @@ __all__ = [
     "UpstreamError",
     "UpstreamTimeout",
     "error_body",
+    "error_format",
     "error_response",
 ]
+
+
+class ErrorFormat(StrEnum):
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+_ANTHROPIC_ROUTES = ("/v1/messages",)  # and everything under it (count_tokens)
+
+
+def error_format(path: str) -> ErrorFormat:
+    """The error body format a route answers in."""
+    if path.startswith(_ANTHROPIC_ROUTES):
+        return ErrorFormat.ANTHROPIC
+    return ErrorFormat.OPENAI
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def _anthropic_type(status: int) -> str:
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
 
 
 class GatewayError(Exception):
@@ -54,12 +94,14 @@ class GatewayError(Exception):
             self.code = code
         self.retry_after = retry_after
 
-    def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
+    def to_response(
+        self, headers: dict[str, str] | None = None, *, fmt: ErrorFormat = ErrorFormat.OPENAI
+    ) -> web.Response:
         extra = dict(headers or {})
         if self.retry_after is not None:
             extra["Retry-After"] = str(max(1, round(self.retry_after)))
         return error_response(
-            self.status, self.message, self.error_type, self.code, self.param, headers=extra
+            self.status, self.message, self.error_type, self.code, self.param, headers=extra, fmt=fmt
         )
 
 
@@ -160,10 +202,16 @@ def error_response(
     param: str | None = None,
     *,
     headers: dict[str, str] | None = None,
+    fmt: ErrorFormat = ErrorFormat.OPENAI,
 ) -> web.Response:
+    if fmt is ErrorFormat.ANTHROPIC:
+        error = {"type": _anthropic_type(status), "message": message}
+        body: dict[str, Any] = {"type": "error", "error": error}
+    else:
+        body = error_body(message, error_type, code, param)
     return web.Response(
         status=status,
-        body=json.dumps(error_body(message, error_type, code, param)).encode(),
+        body=json.dumps(body).encode(),
         content_type="application/json",
         headers=headers,
     )

@@ -125,6 +125,29 @@ class SessionConfig(_Strict):
         "x-session-token", description="response/request header with a signed replica token; null = off"
     )
     token_secret: str | None = Field(None, description="shared by all instances; default: random per process")
+    sources: list[str] | None = Field(
+        None,
+        description=(
+            "session keys tried in order: 'header:<name>', 'body:<field>' (dotted: metadata.user_id), "
+            "'previous_response_id' (a Responses chain is one session); null = `header`, the agent "
+            "CLIs' headers, prompt_cache_key, `body_fields`, previous_response_id"
+        ),
+    )
+    response_ttl_s: float = Field(
+        86400.0, gt=0, description="how long the replica that stored a Responses API response is remembered"
+    )
+    max_responses: int = Field(1_000_000, ge=1, description="response id → replica entries (memory, LRU)")
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> SessionConfig:
+        for source in self.sources or ():
+            kind, _, name = source.partition(":")
+            if source != "previous_response_id" and (kind not in ("header", "body") or not name):
+                raise ValueError(
+                    f"sessions.sources: {source!r} is not 'header:<name>', 'body:<field>' "
+                    "or 'previous_response_id'"
+                )
+        return self
 
 
 class DegradeConfig(_Strict):

@@ -48,6 +48,7 @@ from gateway.request.slo import SloOptions
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry
 from gateway.sessions.affinity import SessionAffinity
+from gateway.sessions.responses import MemoryResponseStore, RedisResponseStore, ResponseStore
 from gateway.sessions.store import (
     MemorySessionStore,
     RedisSessionStore,
@@ -107,6 +108,23 @@ def build_session_store(config: SessionConfig, metrics: GatewayMetrics) -> Sessi
     )
 
 
+def build_response_store(config: SessionConfig, metrics: GatewayMetrics) -> ResponseStore:
+    """Response id → replica: the sessions' backend (memory, or the same Redis)."""
+    local = MemoryResponseStore(ttl_s=config.response_ttl_s, max_entries=config.max_responses)
+    if config.backend == "memory":
+        return local
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    return RedisResponseStore(
+        client,
+        local,
+        key_prefix=config.key_prefix,
+        budget_s=config.redis_budget_s,
+        on_fallback=lambda reason: metrics.session_fallbacks.labels(reason).inc(),
+    )
+
+
 def share_sessions_across_workers(
     config: GatewayConfig, store: SessionStore, registry: EndpointRegistry
 ) -> None:
@@ -142,6 +160,7 @@ def build_plugin_context(
         detector,
         metrics,
         config.sessions.token_header,
+        build_response_store(config.sessions, metrics),
     )
     slo = config.admission.slo
     latency = LatencyModel(detector, horizon=slo.horizon, min_samples=slo.min_samples)
@@ -172,6 +191,7 @@ def parse_options(config: GatewayConfig) -> ParseOptions:
             tpot_header=config.admission.slo.tpot_header,
             defaults={p: (t.ttft_ms, t.tpot_ms) for p, t in config.admission.slo.defaults.items()},
         ),
+        session_sources=tuple(config.sessions.sources or ()),
     )
 
 
@@ -239,6 +259,7 @@ async def _prefix_index(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[STATE].prefix.index.close()
     await app[STATE].sessions.store.close()
+    await app[STATE].sessions.responses.close()
     if app[STATE].auth is not None:
         await app[STATE].auth.close()
 

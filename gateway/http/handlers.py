@@ -14,6 +14,7 @@ from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.openapi import serve_openapi
+from gateway.http.responses import add_response_routes, stored_replica
 from gateway.http.state import STATE, GatewayState
 from gateway.request.parse import parse_request
 from gateway.request.types import ApiKind, InferenceRequest, RouteTrace
@@ -23,17 +24,26 @@ __all__ = ["add_routes"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _inference_handler(api: ApiKind) -> Handler:
+# APIs whose ``model`` may be left out, as the engines allow: the fleet's only model then.
+_MODEL_OPTIONAL = frozenset({ApiKind.TOKENIZE, ApiKind.DETOKENIZE})
+
+
+def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
     async def handle(http_request: web.Request) -> web.StreamResponse:
         state = http_request.app[STATE]
         auth = state.auth
         tenant = await auth.authenticate(http_request.headers) if auth is not None else None
+        default_model = None
+        if api in _MODEL_OPTIONAL and len(models := state.registry.healthy_models()) == 1:
+            default_model = models[0]
         request = parse_request(
             api,
             await http_request.read(),
             request_id=http_request[REQUEST_ID],
             headers=http_request.headers,
             options=state.parse_options,
+            default_model=default_model,
+            path=path,
         )
         http_request[INFERENCE_REQUEST] = request
         limit_headers: dict[str, str] = {}
@@ -59,9 +69,10 @@ async def _route(
 ) -> web.StreamResponse:
     """Admission, scheduling and the proxy, for a request that passed authentication and limits."""
     _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
+    stored = await stored_replica(state, request)  # Responses: the replica holding the chain
     ticket = await state.admission.admit(request)
     try:
-        candidates = _candidates(state, request.model)  # the model may have been degraded
+        candidates = [stored] if stored is not None else _candidates(state, request.model)
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)
         if state.access_log.enabled:
@@ -125,10 +136,31 @@ async def endpoints_status(http_request: web.Request) -> web.Response:
     return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 
 
+# The rest of the engines' inference surface: route → API (the path is passed on as it is).
+_ENGINE_ROUTES = {
+    "/v1/responses": ApiKind.RESPONSES,
+    "/v1/messages": ApiKind.MESSAGES,
+    "/v1/messages/count_tokens": ApiKind.COUNT_TOKENS,
+    "/v1/rerank": ApiKind.RERANK,
+    "/rerank": ApiKind.RERANK,
+    "/v2/rerank": ApiKind.RERANK,
+    "/v1/score": ApiKind.SCORE,
+    "/score": ApiKind.SCORE,
+    "/classify": ApiKind.CLASSIFY,
+    "/pooling": ApiKind.POOLING,
+    "/tokenize": ApiKind.TOKENIZE,
+    "/detokenize": ApiKind.DETOKENIZE,
+}
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", _inference_handler(ApiKind.CHAT))
     app.router.add_post("/v1/completions", _inference_handler(ApiKind.COMPLETIONS))
     app.router.add_post("/v1/embeddings", _inference_handler(ApiKind.EMBEDDINGS))
+    for route_path, api in _ENGINE_ROUTES.items():
+        upstream = route_path if route_path != api.upstream_path else None
+        app.router.add_post(route_path, _inference_handler(api, upstream))
+    add_response_routes(app)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -16,7 +16,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, error_body, error_response
+from gateway.errors import GatewayError, error_body, error_format, error_response
 from gateway.http.state import STATE
 from gateway.proxy.forward import STREAM_STARTED
 from gateway.proxy.sse import SSE_DONE
@@ -158,6 +158,11 @@ async def _end_cut(request: web.Request, reason: str) -> web.StreamResponse:
     return response
 
 
+def _v1_paths(app: web.Application) -> list[str]:
+    paths = {r.canonical for r in app.router.resources() if r.canonical.startswith("/v1/")}
+    return sorted(paths)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     request_id = _request_id(request)
@@ -179,7 +184,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         log.warning("request %s: ended by the gateway: %s", request_id, reason)
         response = await _end_cut(request, reason)
     except GatewayError as exc:
-        response = exc.to_response()
+        response = exc.to_response(fmt=error_format(request.path))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -187,10 +192,14 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         message = exc.text or exc.reason
         if exc.status == 404:
             message = f"Unknown path {request.path}"
+            if request.path.startswith("/v1/"):
+                message += "; the supported /v1 paths are " + ", ".join(_v1_paths(request.app))
         elif exc.status == 405:
             message = f"Method {request.method} is not allowed on {request.path}"
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        response = error_response(exc.status, message, error_type, code, headers=allow)
+        response = error_response(
+            exc.status, message, error_type, code, headers=allow, fmt=error_format(request.path)
+        )
     except ConnectionResetError:
         # The client went away mid-response; nothing can be sent. Counters were
         # released by the proxy's finally blocks.
@@ -201,7 +210,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if request.get(STREAM_STARTED):
             raise  # headers are out: aiohttp closes the connection, the client sees it end
 
-        response = error_response(500, "internal gateway error", "server_error", "internal_error")
+        response = error_response(
+            500, "internal gateway error", "server_error", "internal_error", fmt=error_format(request.path)
+        )
     finally:
         if in_flight is not None and task is not None:
             in_flight.discard(task)

@@ -27,6 +27,7 @@ from gateway.proxy.hooks import (
 )
 from gateway.proxy.latency_hook import LatencyHook
 from gateway.proxy.resilience import CircuitBreakers
+from gateway.proxy.response_hook import ResponseHook
 from gateway.scheduling.build import build_scheduler
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry
@@ -57,6 +58,7 @@ def build_routing(
         PassiveHealthHook(mark_failed),
         SessionHook(context.sessions),
         PDHook(context.metrics),
+        ResponseHook(context.sessions.responses),
     ]
     prefill: list[RequestHooks] = [InFlightHook()]
     if scheduler.preparers:  # only policies that read the prefix index pay for hashing and recording

@@ -47,6 +47,7 @@ class GatewayState:
     proxy: Proxy | None = None  # set once the client session exists (app startup)
     probe: Callable[[list[Endpoint]], Awaitable[None]] | None = None  # health-check these now
     auth: Any = None  # gateway.auth wiring (TenantAuth) when auth is enabled
+    side_client: Any = None  # aiohttp ClientSession for the Responses API's stateful calls
     shutting_down: bool = False  # SIGTERM received: /ready says 503 while in-flight work drains
 
 

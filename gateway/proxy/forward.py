@@ -253,7 +253,7 @@ class Proxy:
             async with asyncio.timeout_at(self._wait_limit(attempt, first_byte_s)) as limit:
                 with self._breakers.first_byte_wait(endpoint, limit, queued=True) as wait:
                     return await self._client.post(
-                        endpoint.url, request.api.upstream_path, body, headers, on_slot=wait.restart
+                        endpoint.url, request.upstream_path, body, headers, on_slot=wait.restart
                     )
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
@@ -305,6 +305,8 @@ class Proxy:
             # a truncated text. Nothing reached the client yet: re-send it elsewhere.
             self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
             raise _Retryable("aborted")
+        if upstream.status == 200:
+            request.context.answer_head = body[:4096]
         attempt.hooks.on_first_byte(request, endpoint)
         request.context.ttft_ms = round((time.monotonic() - attempt.started) * 1000, 2)
         if upstream.status == 200:
@@ -331,6 +333,7 @@ class Proxy:
         then a broken upstream (or, for SGLang P/D, a failed prefill leg) is retryable.
         """
         first_chunk = await self._first_chunk(request, endpoint, upstream, attempt)
+        request.context.answer_head = first_chunk[:4096]
         headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
@@ -381,7 +384,8 @@ class Proxy:
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
-            await response.write(error_event(failure, mid_event=bool(last) and not ends_event(last)))
+            mid_event = bool(last) and not ends_event(last)
+            await response.write(error_event(failure, mid_event=mid_event, api=request.api))
         else:
             self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
         await response.write_eof()

@@ -24,14 +24,30 @@ SSE_DONE = b"data: [DONE]\n\n"
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
+_CACHE_READ_TOKENS = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
 _MAX_HELD_BYTES = 16384
 
 
 def extract_usage(payload: bytes) -> Usage | None:
-    """The last ``usage`` counts in the tail of a response, found by regex (no full parse)."""
+    """The last ``usage`` counts in the tail of a response, found by regex (no full parse).
+
+    OpenAI chat/completions name them ``prompt_tokens``/``completion_tokens``; the Responses
+    and Anthropic Messages APIs ``input_tokens``/``output_tokens`` (Anthropic's cache hits:
+    ``cache_read_input_tokens``)."""
     prompt = _PROMPT_TOKENS.findall(payload)
     if not prompt:
-        return None
+        prompt = _INPUT_TOKENS.findall(payload)
+        if not prompt:
+            return None
+        completion = _OUTPUT_TOKENS.findall(payload)
+        cached = _CACHED_TOKENS.findall(payload) or _CACHE_READ_TOKENS.findall(payload)
+        return Usage(
+            prompt_tokens=int(prompt[-1]),
+            completion_tokens=int(completion[-1]) if completion else 0,
+            cached_tokens=int(cached[-1]) if cached else 0,
+        )
     cached = _CACHED_TOKENS.findall(payload)
     completion = _COMPLETION_TOKENS.findall(payload)
     return Usage(
@@ -80,11 +96,22 @@ class SSEEventBuffer:
         return tail
 
 
-def error_event(message: str, *, mid_event: bool) -> bytes:
-    """An in-band SSE error and ``[DONE]``; first ends an event the upstream left half-written,
-    so the client's parser sees a broken event and then a well-formed error, not one glued line."""
-    event = error_body(message, "upstream_error", "upstream_stream_error")
+def error_event(message: str, *, mid_event: bool, api: ApiKind = ApiKind.CHAT) -> bytes:
+    """An in-band SSE error; first ends an event the upstream left half-written, so the client's
+    parser sees a broken event and then a well-formed error, not one glued line.
+
+    Chat and completions: an OpenAI error object and ``[DONE]``. The typed-event APIs end with
+    their own ``event: error``: Anthropic's ``{"type": "error", "error": {...}}`` for Messages,
+    the Responses API's ``{"type": "error", "code", "message"}``; neither has ``[DONE]``.
+    """
     prefix = b"\n\n" if mid_event else b""
+    if api is ApiKind.MESSAGES:
+        payload = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return prefix + b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+    if api is ApiKind.RESPONSES:
+        payload = {"type": "error", "code": "upstream_stream_error", "message": message, "param": None}
+        return prefix + b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+    event = error_body(message, "upstream_error", "upstream_stream_error")
     return prefix + b"data: " + json.dumps(event).encode() + b"\n\n" + SSE_DONE
 
 

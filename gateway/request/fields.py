@@ -152,11 +152,50 @@ FIELD_RULES: dict[ApiKind, dict[str, FieldRule]] = {
         "dimensions": _count(1),
         "priority": _int(),
     },
+    ApiKind.RESPONSES: {
+        "temperature": FieldRule("number", 0),
+        "top_p": FieldRule("number", 0, 1),
+        "max_output_tokens": _count(1),
+        "instructions": FieldRule("string"),
+        "previous_response_id": FieldRule("string"),
+        "store": FieldRule("boolean"),
+        "background": FieldRule("boolean"),
+        "tools": FieldRule("array"),
+        "tool_choice": FieldRule("string-or-object"),
+        "parallel_tool_calls": FieldRule("boolean"),
+        "metadata": FieldRule("object"),
+        "text": FieldRule("object"),
+        "reasoning": FieldRule("object"),
+        "include": FieldRule("array"),
+        "prompt_cache_key": FieldRule("string"),
+        "priority": _int(),
+    },
+    ApiKind.MESSAGES: {
+        "temperature": FieldRule("number", 0, 1),
+        "top_p": FieldRule("number", 0, 1),
+        "top_k": _count(0),
+        "stop_sequences": FieldRule("array"),
+        "tools": FieldRule("array"),
+        "tool_choice": FieldRule("object"),
+        "metadata": FieldRule("object"),
+        "thinking": FieldRule("object"),
+    },
+    ApiKind.COUNT_TOKENS: {
+        "tools": FieldRule("array"),
+        "tool_choice": FieldRule("object"),
+        "thinking": FieldRule("object"),
+    },
+    ApiKind.RERANK: {"top_n": _count(0), "return_documents": FieldRule("boolean"), "priority": _int()},
+    ApiKind.SCORE: {"priority": _int()},
+    ApiKind.CLASSIFY: {"priority": _int()},
+    ApiKind.POOLING: {"priority": _int()},
+    ApiKind.TOKENIZE: {"add_special_tokens": FieldRule("boolean"), "return_token_strs": FieldRule("boolean")},
+    ApiKind.DETOKENIZE: {},
 }
 
 
 def check_fields(api: ApiKind, body: dict[str, Any]) -> None:
-    for name, rule in FIELD_RULES[api].items():
+    for name, rule in FIELD_RULES.get(api, {}).items():
         value = body.get(name)
         if value is not None and not rule.accepts(value):
             raise BadRequest(f"'{name}' must be {rule.expected()}, got {_describe(value)}", param=name)

@@ -15,15 +15,36 @@ from typing import Any
 import xxhash
 
 from gateway.errors import BadRequest
+from gateway.request.apis import api_prompt
 from gateway.request.fields import check_fields
 from gateway.request.guards import load_object
 from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
 from gateway.request.slo import SloOptions, parse_slo
 from gateway.request.types import CHARS_PER_TOKEN, ApiKind, InferenceRequest, Priority
 
-__all__ = ["DEFAULT_OPTIONS", "ParseOptions", "parse_request", "session_key"]
+__all__ = [
+    "CHAIN_SOURCE",
+    "DEFAULT_OPTIONS",
+    "ParseOptions",
+    "default_session_sources",
+    "parse_request",
+    "session_key",
+]
 
 _PRIORITY_NAMES = [p.value for p in Priority]
+
+
+CHAIN_SOURCE = "previous_response_id"
+# What agent clients send: Claude Code, Codex (both spellings), OpenCode; OpenAI's body field.
+_AGENT_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-affinity")
+
+
+def default_session_sources(header: str, body_fields: tuple[str, ...]) -> tuple[str, ...]:
+    """``sessions.sources`` when not configured: the configured header, the agent CLIs'
+    headers, ``prompt_cache_key``, the configured body fields, then a Responses chain."""
+    headers = [header, *(h for h in _AGENT_HEADERS if h != header)]
+    fields = ["prompt_cache_key", *(f for f in body_fields if f != "prompt_cache_key")]
+    return (*(f"header:{h}" for h in headers), *(f"body:{f}" for f in fields), CHAIN_SOURCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +56,21 @@ class ParseOptions:
     priority_header: str = "x-priority"
     tenant_header: str = "x-tenant-id"
     max_json_depth: int = 32
+    # header:<name> / body:<field> (dotted for nested) / CHAIN_SOURCE, tried in order, the
+    # first present wins; empty: default_session_sources(session_header, session_body_fields).
+    # A Responses request with previous_response_id that reaches CHAIN_SOURCE takes the
+    # session of the chain it continues (looked up by the handler).
+    session_sources: tuple[str, ...] = ()
     slo: SloOptions = field(default_factory=SloOptions)
 
 
 DEFAULT_OPTIONS = ParseOptions()
+
+
+def _sources(options: ParseOptions) -> tuple[str, ...]:
+    return options.session_sources or default_session_sources(
+        options.session_header, options.session_body_fields
+    )
 
 
 def session_key(client_id: str) -> str:
@@ -47,12 +79,28 @@ def session_key(client_id: str) -> str:
     return xxhash.xxh3_128_hexdigest(client_id.encode("utf-8", "surrogatepass"))
 
 
+def _body_value(body: dict[str, Any], dotted: str) -> Any:
+    value: Any = body
+    for part in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
-    session_id = headers.get(options.session_header)
-    if session_id:
-        return session_key(session_id)
-    for field_name in options.session_body_fields:
-        value = body.get(field_name)
+    for source in _sources(options):
+        if source == CHAIN_SOURCE:
+            if isinstance(body.get(CHAIN_SOURCE), str):
+                return None  # the chain's session: looked up by the handler
+            continue
+        kind, _, name = source.partition(":")
+        if kind == "header":
+            session_id = headers.get(name)
+            if session_id:
+                return session_key(session_id)
+            continue
+        value = _body_value(body, name)
         if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
             return session_key(str(value))
     return None
@@ -65,15 +113,21 @@ def parse_request(
     request_id: str,
     headers: Mapping[str, str],
     options: ParseOptions = DEFAULT_OPTIONS,
+    default_model: str | None = None,
+    path: str | None = None,
 ) -> InferenceRequest:
+    """``default_model``: the model of a body without one (tokenize: vLLM serves its only
+    model); ``path``: the upstream path when it is not the API's own (``/rerank``)."""
     body, numbers = load_object(raw_body, options.max_json_depth)
     model = body.get("model")
+    if model is None and default_model is not None:
+        model = default_model
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    stream = bool(stream)
+    stream = bool(stream) and api.streams
     check_fields(api, body)
 
     if api is ApiKind.CHAT:
@@ -85,9 +139,10 @@ def parse_request(
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         prompt = text_or_tokens(body["prompt"], "prompt")
-    else:
+    elif api is ApiKind.EMBEDDINGS:
         prompt = text_or_tokens(body.get("input"), "input")
-        stream = False
+    else:
+        prompt = api_prompt(api, body)
 
     priority_header = options.priority_header
     name = headers.get(priority_header, "").strip().lower() or Priority.STANDARD
@@ -112,5 +167,6 @@ def parse_request(
         tenant=headers.get(options.tenant_header) or "default",
         debug=headers.get("x-gateway-debug") == "1",
         headers=headers,
+        path=path,
         slo=parse_slo(headers, priority, options.slo),
     )

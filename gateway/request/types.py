@@ -56,17 +56,41 @@ class ApiKind(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"  # OpenAI Responses API (stateful on the replica)
+    MESSAGES = "messages"  # Anthropic Messages API
+    COUNT_TOKENS = "count_tokens"  # Anthropic /v1/messages/count_tokens
+    RERANK = "rerank"  # /v1/rerank, /rerank, /v2/rerank (the path is passed through)
+    SCORE = "score"  # /v1/score, /score
+    CLASSIFY = "classify"
+    POOLING = "pooling"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
 
     @property
     def upstream_path(self) -> str:
         return _UPSTREAM_PATHS[self]
+
+    @property
+    def streams(self) -> bool:
+        """Whether ``stream: true`` means an SSE answer for this API."""
+        return self in _STREAMING
 
 
 _UPSTREAM_PATHS = {
     ApiKind.CHAT: "/v1/chat/completions",
     ApiKind.COMPLETIONS: "/v1/completions",
     ApiKind.EMBEDDINGS: "/v1/embeddings",
+    ApiKind.RESPONSES: "/v1/responses",
+    ApiKind.MESSAGES: "/v1/messages",
+    ApiKind.COUNT_TOKENS: "/v1/messages/count_tokens",
+    ApiKind.RERANK: "/v1/rerank",
+    ApiKind.SCORE: "/v1/score",
+    ApiKind.CLASSIFY: "/classify",
+    ApiKind.POOLING: "/pooling",
+    ApiKind.TOKENIZE: "/tokenize",
+    ApiKind.DETOKENIZE: "/detokenize",
 }
+_STREAMING = frozenset({ApiKind.CHAT, ApiKind.COMPLETIONS, ApiKind.RESPONSES, ApiKind.MESSAGES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +138,7 @@ class RequestContext:
     prefix: PrefixState | None = None  # prefix cache: block hashes, match, pending prefill
     session: SessionPin | None = None  # session affinity: the pin and whether it was usable
     latency: LatencySample | None = None  # latency model: features and prediction at send
+    answer_head: bytes = b""  # proxy: the answer's first chunk (or body), for hooks that read ids
 
 
 @dataclass(slots=True)
@@ -134,4 +159,9 @@ class InferenceRequest:
     debug: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     slo: Slo | None = None  # parse: latency objectives and the first token's deadline
+    path: str | None = None  # the upstream path when the route's differs from the API's (/rerank)
     context: RequestContext = field(default_factory=RequestContext)
+
+    @property
+    def upstream_path(self) -> str:
+        return self.path or self.api.upstream_path

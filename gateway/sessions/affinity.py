@@ -14,6 +14,7 @@ from gateway.admission.saturation import SaturationDetector
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.types import InferenceRequest
+from gateway.sessions.responses import MemoryResponseStore, ResponseStore
 from gateway.sessions.store import SessionStore, SessionTokens
 
 __all__ = ["PinState", "SessionAffinity", "SessionPin"]
@@ -43,8 +44,11 @@ class SessionAffinity:
         detector: SaturationDetector,
         metrics: GatewayMetrics,
         token_header: str | None,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.store = store
+        # Responses API: response id → the replica that stored it (and the chain's session)
+        self.responses = responses if responses is not None else MemoryResponseStore(86400.0, 100_000)
         self.tokens = tokens
         self._detector = detector
         self._metrics = metrics

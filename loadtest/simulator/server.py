@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loadtest.harness.ports import free_port
 
+from .agent_http import AgentHandlers
 from .config import SimConfig
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
 from .kv_events import KVEventPublisher
@@ -98,7 +99,7 @@ async def _wait_disconnect(request: web.Request) -> None:
         await asyncio.sleep(0.05)
 
 
-class _Handlers(PDHandlers, KVHandlers):
+class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
     def __init__(self, state: SimState) -> None:
         self.s = state
 
@@ -295,6 +296,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/kv_event_sources", h.kv_event_sources)
     app.router.add_post("/tokenize", h.tokenize)
     app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
+    h.add_agent_routes(app)
     if config.kv_events:
         h.kv_publisher = state.kv_events = KVEventPublisher(
             engine.kv,

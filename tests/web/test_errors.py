@@ -190,7 +190,7 @@ async def test_total_timeout_mid_stream_ends_the_stream(start_upstream, start_ga
     ("method", "path", "status", "code"),
     [
         ("GET", "/v1/nope", 404, "not_found"),
-        ("POST", "/v1/responses", 404, "not_found"),
+        ("POST", "/v1/assistants", 404, "not_found"),
         ("GET", "/", 404, "not_found"),
         ("GET", CHAT, 405, "method_not_allowed"),
         ("DELETE", COMPLETIONS, 405, "method_not_allowed"),

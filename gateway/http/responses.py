@@ -1,0 +1,188 @@
+"""The Responses API's stateful side: a response lives on the replica that made it.
+
+- ``POST /v1/responses`` with ``previous_response_id`` is scheduled on that response's
+  replica only (:func:`stored_replica`); its session is the chain's.
+- ``GET``/``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
+  ``GET /v1/responses/{id}/input_items`` are passed to that replica as they are.
+
+Where the gateway has no record of an id (another gateway worker with the memory store,
+a restart), the healthy replicas are asked once (``GET /v1/responses/{id}``) and the one
+that has it is recorded. A replica that stored the response but is gone or unhealthy is a
+409 naming it — never a random replica's 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from gateway.errors import Conflict, NotFound
+from gateway.fleet.endpoint import Endpoint, Role
+from gateway.http.middleware import REQUEST_ID
+from gateway.http.state import STATE, GatewayState
+from gateway.request.parse import CHAIN_SOURCE, default_session_sources, session_key
+from gateway.request.types import ApiKind, InferenceRequest
+from gateway.sessions.responses import ResponseRecord
+
+__all__ = ["add_response_routes", "stored_replica"]
+
+log = logging.getLogger(__name__)
+
+_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("responses_session", aiohttp.ClientSession)
+_PROBE_TIMEOUT_S = 2.0
+
+
+def _usable(endpoint: Endpoint) -> bool:
+    # A draining replica still holds its responses: continuing a chain there is allowed.
+    return endpoint.healthy and not endpoint.ejected
+
+
+def _by_name(state: GatewayState, name: str) -> Endpoint | None:
+    return next((e for e in state.registry if e.name == name), None)
+
+
+async def _probe(state: GatewayState, response_id: str, request_id: str) -> ResponseRecord | None:
+    """Ask every healthy replica whether it stores ``response_id``; record the one that does."""
+    session = state.side_client
+    if session is None:
+        return None
+    replicas = [e for e in state.registry if _usable(e) and e.role is not Role.PREFILL]
+
+    async def has(endpoint: Endpoint) -> bool:
+        try:
+            async with session.get(
+                f"{endpoint.base_url}/v1/responses/{response_id}",
+                headers=_headers(endpoint, request_id),
+                timeout=aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S),
+            ) as answer:
+                return answer.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    found = await asyncio.gather(*(has(e) for e in replicas))
+    for endpoint, ok in zip(replicas, found, strict=True):
+        if ok:
+            record = ResponseRecord(endpoint.name, session_key(response_id))
+            state.sessions.responses.put(response_id, record)
+            return record
+    return None
+
+
+async def _record(
+    state: GatewayState, response_id: str, request_id: str, param: str | None
+) -> ResponseRecord:
+    record = await state.sessions.responses.get(response_id)
+    if record is None:
+        record = await _probe(state, response_id, request_id)
+    if record is None:
+        raise NotFound(
+            f"Response with id {response_id!r} not found: no replica behind the gateway stores it",
+            param=param,
+            code="response_not_found",
+        )
+    return record
+
+
+def _replica(state: GatewayState, record: ResponseRecord, response_id: str) -> Endpoint:
+    endpoint = _by_name(state, record.endpoint)
+    if endpoint is None or not _usable(endpoint):
+        why = "has left the fleet" if endpoint is None else "is unhealthy"
+        raise Conflict(
+            f"Response {response_id!r} is stored on replica {record.endpoint}, which {why}: "
+            "the stored response's replica is unavailable (start a new conversation, or retry later)",
+            code="response_replica_unavailable",
+        )
+    return endpoint
+
+
+async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endpoint | None:
+    """For a Responses request with ``previous_response_id``: the replica that stored it."""
+    if request.api is not ApiKind.RESPONSES:
+        return None
+    previous = request.body.get("previous_response_id")
+    if not isinstance(previous, str) or not previous:
+        return None
+    record = await _record(state, previous, request.request_id, "previous_response_id")
+    options = state.parse_options
+    sources = options.session_sources or default_session_sources(
+        options.session_header, options.session_body_fields
+    )
+    if request.session_id is None and CHAIN_SOURCE in sources:
+        request.session_id = record.chain  # a previous_response_id chain is one session
+    return _replica(state, record, previous)
+
+
+def _headers(endpoint: Endpoint, request_id: str) -> dict[str, str]:
+    headers = {"x-request-id": request_id}
+    if endpoint.auth_header is not None:
+        headers["authorization"] = endpoint.auth_header
+    return headers
+
+
+async def _pass_through(http_request: web.Request) -> web.StreamResponse:
+    """One stateful call, sent to the replica that stores the response, answered as it answers."""
+    state = http_request.app[STATE]
+    if state.auth is not None:
+        await state.auth.authenticate(http_request.headers)
+    response_id = http_request.match_info["response_id"]
+    request_id = http_request[REQUEST_ID]
+    record = await _record(state, response_id, request_id, None)
+    endpoint = _replica(state, record, response_id)
+    session = http_request.app[_SESSION]
+    headers = _headers(endpoint, request_id)
+    body = await http_request.read() if http_request.can_read_body else None
+    if body is not None:
+        headers["content-type"] = http_request.headers.get("content-type", "application/json")
+    url = endpoint.base_url + http_request.rel_url.path_qs
+    timeouts = state.config.timeouts
+    try:
+        async with session.request(
+            http_request.method,
+            url,
+            data=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s),
+        ) as answer:
+            out = {"x-gateway-endpoint": endpoint.name, "x-request-id": request_id}
+            content_type = answer.headers.get("content-type", "application/json")
+            if http_request.method == "DELETE" and answer.status == 200:
+                state.sessions.responses.forget(response_id)
+            if not content_type.startswith("text/event-stream"):
+                out["content-type"] = content_type
+                return web.Response(status=answer.status, body=await answer.read(), headers=out)
+            response = web.StreamResponse(status=answer.status, headers={**out, "content-type": content_type})
+            await response.prepare(http_request)
+            async for chunk in answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.info(
+            "request %s: %s %s on %s failed: %s", request_id, http_request.method, url, endpoint.name, exc
+        )
+        raise Conflict(
+            f"Response {response_id!r} is stored on replica {endpoint.name}, which did not answer: "
+            "the stored response's replica is unavailable",
+            code="response_replica_unavailable",
+        ) from None
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    session = aiohttp.ClientSession(auto_decompress=False)
+    app[_SESSION] = session
+    app[STATE].side_client = session
+    yield
+    await session.close()
+
+
+def add_response_routes(app: web.Application) -> None:
+    """The stateful routes (the ``POST /v1/responses`` route itself is an inference route)."""
+    app.router.add_get("/v1/responses/{response_id}", _pass_through)
+    app.router.add_delete("/v1/responses/{response_id}", _pass_through)
+    app.router.add_post("/v1/responses/{response_id}/cancel", _pass_through)
+    app.router.add_get("/v1/responses/{response_id}/input_items", _pass_through)
+    app.cleanup_ctx.append(_client_session)

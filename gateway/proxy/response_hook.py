@@ -1,0 +1,31 @@
+"""The hook that learns where a Responses API response is stored: its id → the replica.
+
+Read from the head of the answer (the JSON body's ``id``, or a stream's
+``response.created`` event) at the first byte, so a client that cancels or retrieves a
+response while it is still streaming already finds it.
+"""
+
+from __future__ import annotations
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.proxy.hooks import RequestHooks
+from gateway.request.parse import session_key
+from gateway.request.types import ApiKind, InferenceRequest
+from gateway.sessions.responses import ResponseRecord, ResponseStore, response_id_in
+
+__all__ = ["ResponseHook"]
+
+
+class ResponseHook(RequestHooks):
+    def __init__(self, store: ResponseStore) -> None:
+        self._store = store
+
+    def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        if request.api is not ApiKind.RESPONSES or not request.context.answer_head:
+            return
+        response_id = response_id_in(request.context.answer_head)
+        if response_id is None:
+            return
+        # The chain is a session: the one the request already belongs to, else this response's own.
+        chain = request.session_id or session_key(response_id)
+        self._store.put(response_id, ResponseRecord(endpoint.name, chain))

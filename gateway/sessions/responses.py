@@ -1,0 +1,161 @@
+"""Responses API state: which replica stored a response, and the session of its chain.
+
+vLLM keeps Responses API objects in the process that made them
+(``VLLM_ENABLE_RESPONSES_API_STORE=1``): a request with ``previous_response_id`` and every
+``/v1/responses/{id}`` call must reach that replica. The gateway records
+``response id → (replica, chain session)`` from each answer and routes by it.
+
+Two stores behind one protocol, as for session pins (:mod:`gateway.sessions.store`): in
+memory (bounded LRU with a TTL) and Redis (shared by gateway instances, mirrored locally,
+answered from the local copy when Redis is slow or down).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from gateway.redis_guard import RedisGuard
+
+__all__ = [
+    "MemoryResponseStore",
+    "RedisResponseStore",
+    "ResponseRecord",
+    "ResponseStore",
+    "response_id_in",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseRecord:
+    endpoint: str  # the replica's name (its URL without the scheme, as in the registry)
+    chain: str  # the session key of the chain: the first response's, kept along the chain
+
+
+class ResponseStore(Protocol):
+    async def get(self, response_id: str) -> ResponseRecord | None: ...
+
+    def put(self, response_id: str, record: ResponseRecord) -> None:
+        """Record (never waits: remote writes run later)."""
+        ...
+
+    def forget(self, response_id: str) -> None:
+        """The response was deleted."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryResponseStore:
+    def __init__(self, ttl_s: float, max_entries: int) -> None:
+        self.ttl_s = ttl_s
+        self._max = max_entries
+        self._entries: OrderedDict[str, tuple[ResponseRecord, float]] = OrderedDict()
+
+    def get_now(self, response_id: str) -> ResponseRecord | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        record, expires = entry
+        if expires < time.monotonic():
+            del self._entries[response_id]
+            return None
+        return record
+
+    async def get(self, response_id: str) -> ResponseRecord | None:
+        return self.get_now(response_id)
+
+    def put(self, response_id: str, record: ResponseRecord) -> None:
+        self._entries[response_id] = (record, time.monotonic() + self.ttl_s)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def forget(self, response_id: str) -> None:
+        self._entries.pop(response_id, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+class RedisResponseStore:
+    """Keys ``<prefix>:response:{<id>}`` → ``{"e": endpoint, "c": chain}`` with ``PX ttl``."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        local: MemoryResponseStore,
+        *,
+        key_prefix: str = "llmgw",
+        budget_s: float = 0.005,
+        retry_after_s: float = 1.0,
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
+        self._client = client
+        self.local = local
+        self._prefix = key_prefix
+        self._guard = RedisGuard(
+            "response store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
+        )
+
+    def _key(self, response_id: str) -> str:
+        return f"{self._prefix}:response:{{{response_id}}}"
+
+    async def get(self, response_id: str) -> ResponseRecord | None:
+        value = await self._guard.call(self._client.get(self._key(response_id)))
+        if value is None:  # Redis down, or our own SET still in flight: the local copy is true
+            return self.local.get_now(response_id)
+        try:
+            data = json.loads(value)
+            return ResponseRecord(str(data["e"]), str(data["c"]))
+        except (ValueError, KeyError, TypeError):
+            return self.local.get_now(response_id)
+
+    def put(self, response_id: str, record: ResponseRecord) -> None:
+        self.local.put(response_id, record)
+        value = json.dumps({"e": record.endpoint, "c": record.chain})
+        self._guard.spawn(self._client.set(self._key(response_id), value, px=int(self.local.ttl_s * 1000)))
+
+    def forget(self, response_id: str) -> None:
+        self.local.forget(response_id)
+        self._guard.spawn(self._client.delete(self._key(response_id)))
+
+    async def flush(self) -> None:
+        await self._guard.flush()
+
+    async def close(self) -> None:
+        await self.flush()
+        await self._client.aclose()
+
+
+_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+
+
+def response_id_in(head: bytes) -> str | None:
+    """The response id in the head of an answer: a JSON body's top-level ``id`` (vLLM writes
+    it first), or the ``response.created`` event that opens a stream (``response.id``)."""
+    if head.lstrip().startswith(b"{"):
+        found = _ID.search(head)
+        return found.group(1).decode() if found else None
+    for event in head.split(b"\n\n"):
+        if b"response.created" not in event:
+            continue
+        for line in event.splitlines():
+            if line.startswith(b"data:"):
+                try:
+                    payload = json.loads(line[5:])
+                    response_id = payload["response"]["id"]
+                except (ValueError, KeyError, TypeError):
+                    return None
+                return response_id if isinstance(response_id, str) else None
+    return None
