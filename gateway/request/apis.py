@@ -163,7 +163,10 @@ def _pooling_prompt(api: ApiKind, body: dict[str, Any]) -> str:
             second = "items"
         return _texts(body.get(first), first) + _MSG_SEP + _texts(body.get(second), second)
     if api is ApiKind.DETOKENIZE:
-        return text_or_tokens(body.get("tokens"), "tokens")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not tokens or any(isinstance(t, str | list) for t in tokens):
+            raise BadRequest("'tokens' is required and must be a non-empty array of token ids", param="tokens")
+        return text_or_tokens(tokens, "tokens")
     if "messages" in body and api in (ApiKind.TOKENIZE, ApiKind.POOLING, ApiKind.CLASSIFY):
         messages = body["messages"]
         if not isinstance(messages, list) or not messages:
