@@ -26,6 +26,7 @@ from gateway.config.fleet import (
     ScrapeConfig,
     check_endpoint_url,
 )
+from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
 from gateway.config.slo import SloConfig, SloTarget
 from gateway.request.types import Priority
 
@@ -37,8 +38,10 @@ __all__ = [
     "DiscoveryConfig",
     "DnsDiscoveryConfig",
     "EndpointConfig",
+    "ExactPrefixConfig",
     "GatewayConfig",
     "HealthConfig",
+    "KVEventSourceConfig",
     "KubernetesDiscoveryConfig",
     "PluginSpec",
     "PrefixConfig",
@@ -108,6 +111,10 @@ class PrefixConfig(_Strict):
     )
     redis_budget_s: float = Field(0.005, gt=0, description="longest a match may wait for Redis")
     redis_retry_after_s: float = Field(1.0, gt=0)
+    exact: Literal["auto", "off"] = Field(
+        "auto", description="auto: route on the engines' KV events where an endpoint publishes them"
+    )
+    kv_events: ExactPrefixConfig = Field(default_factory=ExactPrefixConfig)
 
 
 class SessionConfig(_Strict):

@@ -10,6 +10,7 @@ import pydantic
 from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import Strict as _Strict
+from gateway.config.kv_events import KVEventSourceConfig
 
 __all__ = [
     "DiscoveryConfig",
@@ -54,6 +55,9 @@ class EndpointConfig(_Strict):
     )
     tls_ca_file: str | None = Field(None, description="https: PEM CA bundle; default: the system's CAs")
     tls_verify: bool = Field(True, description="https: verify the certificate and host name")
+    kv_events: KVEventSourceConfig | None = Field(
+        None, description="its KV-event stream, instead of what its GET /kv_event_sources says"
+    )
 
     @field_validator("url")
     @classmethod

@@ -6,7 +6,11 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
+
+if TYPE_CHECKING:
+    from gateway.config.kv_events import KVEventSourceConfig
 
 __all__ = ["Endpoint", "EndpointMetrics", "EngineKind", "Role", "public_url"]
 
@@ -73,6 +77,7 @@ class Endpoint:
     # client and the health/scrape session, so inference and probes trust the same servers.
     ssl_context: ssl.SSLContext | None = None
     max_num_seqs: int | None = None  # configured batch capacity (the engine does not export it)
+    kv_events: KVEventSourceConfig | None = None  # its KV-event stream, configured (else discovered)
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
     healthy: bool = False

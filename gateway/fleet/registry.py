@@ -84,6 +84,7 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
         auth_header=upstream_auth_header(cfg),
         ssl_context=endpoint_ssl_context(cfg),
         max_num_seqs=cfg.max_num_seqs,
+        kv_events=cfg.kv_events,
     )
 
 

@@ -28,6 +28,7 @@ from gateway.fleet.poller import MetricsPoller
 from gateway.fleet.registry import EndpointRegistry, endpoint_from_config
 from gateway.http.access_log import AccessLog
 from gateway.http.admin import add_admin_routes
+from gateway.http.exact_wiring import attach_exact_prefix, kv_event_subscriber
 from gateway.http.handlers import add_routes
 from gateway.http.middleware import error_middleware
 from gateway.http.plugins import default_registry
@@ -153,6 +154,7 @@ def build_plugin_context(
         default_capacity_blocks=config.prefix.capacity_blocks,
         max_blocks=config.prefix.max_prompt_blocks,
     )
+    attach_exact_prefix(config, metrics, prefix)
     detector = SaturationDetector(config.admission)
     sessions = SessionAffinity(
         build_session_store(config.sessions, metrics),
@@ -351,6 +353,11 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
     }
     if state.config.scrape.enabled:
         runs["metrics-poller"] = poller.run
+    kv_events = kv_event_subscriber(
+        state.config, state.registry, state.prefix, app[_SESSION], state.metrics.task_restarts.labels
+    )
+    if kv_events is not None:
+        runs["kv-events"] = kv_events.run
     apply = _apply_discovered(state)
     for source in app[_DISCOVERY]:
         runs[f"discovery-{source.name}"] = functools.partial(source.run, apply)

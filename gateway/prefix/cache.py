@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.prefix.hashing import block_hashes
 from gateway.prefix.index import PrefixIndex
 from gateway.request.types import CHARS_PER_TOKEN, InferenceRequest
+
+if TYPE_CHECKING:
+    from gateway.prefix.exact_match import ExactPrefix
 
 __all__ = ["PrefixCache", "PrefixMatch", "PrefixState"]
 
@@ -46,6 +50,10 @@ class PrefixState:
     match: PrefixMatch | None = None
     # Estimated uncached prompt tokens sent to each endpoint and not yet answered.
     pending: dict[Endpoint, float] = field(default_factory=dict)
+    # Exact index (engine KV events): the engine's prompt tokens ([]: unavailable) and the
+    # cached tokens each endpoint with live exact state will report.
+    engine_tokens: list[int] | None = None
+    exact: dict[Endpoint, int] | None = None
 
 
 class PrefixCache:
@@ -65,6 +73,7 @@ class PrefixCache:
         self._default_capacity = default_capacity_blocks
         self._engine_capacity: dict[str, int] = {}
         self._trust: dict[str, float] = {}
+        self.exact: ExactPrefix | None = None  # set by the wiring with prefix.exact: auto
 
     # -- per request ----------------------------------------------------------------
     def state(self, request: InferenceRequest) -> PrefixState:
@@ -101,6 +110,8 @@ class PrefixCache:
         if hashes:
             self._metrics.prefix_predicted_blocks.inc(match.best())
             self._metrics.prefix_prompt_blocks.inc(len(hashes))
+        if self.exact is not None:
+            await self.exact.prepare(request, state, candidates)
         return match
 
     def current_match(self, request: InferenceRequest) -> PrefixMatch | None:
@@ -109,10 +120,22 @@ class PrefixCache:
 
     def uncached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> float:
         """Estimated prompt tokens ``endpoint`` would have to prefill for ``request``."""
+        state = request.context.prefix
+        if state is not None and state.exact is not None and endpoint in state.exact:
+            return float(max(0, len(state.engine_tokens or ()) - state.exact[endpoint]))
         match = self.current_match(request)
         matched = match.matched.get(endpoint, 0) if match else 0
         cached_tokens = matched * self.block_bytes / CHARS_PER_TOKEN
         return max(0.0, request.est_prompt_tokens - cached_tokens)
+
+    def predicted_cached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> tuple[int, str]:
+        """Prompt tokens ``endpoint`` should report cached, and which index says so."""
+        state = request.context.prefix
+        if state is not None and state.exact is not None and endpoint in state.exact:
+            return state.exact[endpoint], "exact"
+        match = state.match if state is not None else None
+        matched = match.matched.get(endpoint, 0) if match else 0
+        return min(request.est_prompt_tokens, matched * self.block_bytes // CHARS_PER_TOKEN), "approximate"
 
     def record(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         hashes = self.hashes(request)
@@ -125,6 +148,9 @@ class PrefixCache:
         self._metrics.observed_prompt_tokens.inc(prompt_tokens)
         self._metrics.observed_cached_tokens.inc(cached_tokens)
         match = self.current_match(request)
+        if self.exact is not None and match is not None:
+            predicted, kind = self.predicted_cached_tokens(request, endpoint)
+            self.exact.observe(kind, predicted - cached_tokens)
         if match is None or prompt_tokens <= 0:
             return
         predicted_fraction = match.ratio(endpoint)
@@ -148,6 +174,8 @@ class PrefixCache:
         if m.block_size and m.num_blocks:
             tokens = m.block_size * m.num_blocks
             blocks = max(1, int(tokens * CHARS_PER_TOKEN / self.block_bytes))
+            if self.exact is not None:
+                self.exact.update_capacity(endpoint)
             if self._engine_capacity.get(endpoint.name) != blocks:
                 self._engine_capacity[endpoint.name] = blocks
                 self._apply_capacity(endpoint.name)
@@ -171,3 +199,5 @@ class PrefixCache:
     async def forget(self, endpoint: Endpoint) -> None:
         """Endpoint removed, restarted or down: nothing we recorded for it is true any more."""
         await self.index.purge(endpoint.name, tuple(endpoint.models))
+        if self.exact is not None:
+            self.exact.forget(endpoint)

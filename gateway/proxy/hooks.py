@@ -154,6 +154,11 @@ class PrefixHook(RequestHooks):
         endpoint.pending_prefill_tokens += pending
         self._prefix.record(request, endpoint)
 
+    def on_headers(self, request: InferenceRequest, endpoint: Endpoint, headers: dict[str, str]) -> None:
+        if request.debug and request.context.prefix is not None:
+            predicted, _ = self._prefix.predicted_cached_tokens(request, endpoint)
+            headers["x-gateway-predicted-cached-tokens"] = str(predicted)
+
     def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         self._release(request, endpoint)
 

@@ -16,8 +16,9 @@ buffered message from ``start_seq`` on as ``[b"", seq, payload]``, then ``[b"", 
 written as vLLM's ``--kv-events-config`` has them (``tcp://*:PORT``).
 
 Fault hooks for tests: ``skip(n)`` buffers the next n messages without sending them (a
-sequence gap the subscriber must replay), ``send_raw`` sends arbitrary frames, ``close``
-is a dead publisher while the HTTP server stays up.
+sequence gap the subscriber must replay), ``send_raw`` sends arbitrary frames, ``inject``
+publishes arbitrary events in sequence, ``close`` is a dead publisher while the HTTP
+server stays up.
 """
 
 from __future__ import annotations
@@ -175,6 +176,13 @@ class KVEventPublisher:
 
     def send_raw(self, frames: list[bytes]) -> None:
         self._send(frames)
+
+    def inject(self, events: list[Any]) -> None:
+        """Publish ``events`` (any shape) as the next batch in sequence, as if the engine had."""
+        payload = self._encoder.encode([time.time(), events, self._rank])
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self._buffer.append((seq, payload))
+        self._send([self.topic.encode(), seq.to_bytes(8, "big"), payload])
 
     # -- replay ----------------------------------------------------------------------------
     async def _serve_replay(self) -> None:

@@ -1,0 +1,376 @@
+"""Subscribers to the engines' KV-event streams (vLLM's ZMQ publisher), one per endpoint.
+
+Each endpoint's stream is found with ``GET /kv_event_sources`` (``tcp://*:PORT`` becomes
+the replica's host) or named in its config; a ZMQ SUB socket connects to it (the
+publisher binds). Frames are decoded in batches of up to ``_DRAIN`` messages between
+yields, so a burst never holds the event loop, and fed to a :class:`KVEventSink`.
+
+Sequence numbers keep the state exact: a gap is filled from the replay endpoint (a
+DEALER sends ``[b"", start_seq]``, the ROUTER answers each buffered message, then seq
+-1); what the replay cannot give back any more, or a stream without replay, drops the
+endpoint's state (never keep a block whose removal may have been missed). Every
+(re)connection drops the state and replays from 0: a restarted engine starts at seq 0
+with an empty cache, an old one resends its buffer. A disconnected stream, or one whose
+batches arrive later than ``stale_after_s`` after publishing, is not live: the sink
+answers for it from the approximate index. Malformed frames and unknown event types are
+logged (once per endpoint at warning level) and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_batch, decode_seq
+from gateway.fleet.registry import EndpointRegistry
+from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.ops.tasks import supervise
+
+__all__ = ["KVEventSource", "KVEventSubscriber", "discover_source", "source_from"]
+
+log = logging.getLogger(__name__)
+
+_DRAIN = 256  # messages decoded per wake-up before yielding to the loop
+_POLL_MS = 250
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventSource:
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str = ""
+
+
+def _on_host(address: str | None, host: str) -> str | None:
+    """``tcp://*:5557`` (or ``0.0.0.0``/``::``) → ``tcp://<host>:5557``: vLLM binds, we connect."""
+    if not address:
+        return None
+    scheme, _, rest = address.partition("://")
+    bound, _, port = rest.rpartition(":")
+    if bound in ("*", "0.0.0.0", "[::]", "::", ""):
+        bound = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{bound}:{port}"
+
+
+def source_from(raw: Any, host: str) -> KVEventSource | None:
+    """A vLLM KVEventsConfig (or a list of them, one per DP rank: the first) → a source."""
+    if isinstance(raw, dict) and isinstance(raw.get("sources", raw.get("data")), list):
+        raw = raw.get("sources", raw.get("data"))
+    if isinstance(raw, list):
+        raw = raw[0] if raw else None
+    if isinstance(raw, KVEventSourceConfig):
+        if not raw.enabled:
+            return None
+        raw = raw.model_dump()
+    if not isinstance(raw, dict) or raw.get("enable_kv_cache_events") is False:
+        return None
+    if raw.get("publisher", "zmq") != "zmq":
+        return None
+    endpoint = raw.get("endpoint")
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    replay = raw.get("replay_endpoint")
+    topic = raw.get("topic") or ""
+    return KVEventSource(
+        _on_host(endpoint, host) or endpoint,
+        _on_host(replay, host) if isinstance(replay, str) else None,
+        topic if isinstance(topic, str) else "",
+    )
+
+
+async def discover_source(
+    session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float
+) -> KVEventSource | None:
+    host = urlsplit(endpoint.base_url).hostname or "127.0.0.1"
+    try:
+        async with session.get(
+            endpoint.base_url + "/kv_event_sources",
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers={"authorization": endpoint.auth_header} if endpoint.auth_header else None,
+            ssl=endpoint.ssl_context or True,
+        ) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError):
+        return None
+    return source_from(body, host)
+
+
+class KVEventSubscriber:
+    """Keeps one supervised stream task per endpoint of the registry."""
+
+    def __init__(
+        self,
+        registry: EndpointRegistry,
+        session: aiohttp.ClientSession,
+        sink: KVEventSink,
+        metrics: KVEventMetrics,
+        config: ExactPrefixConfig,
+        *,
+        on_crash: Callable[[str], None] | None = None,
+        reconcile_s: float = 1.0,
+    ) -> None:
+        self._registry = registry
+        self._session = session
+        self.sink = sink
+        self.metrics = metrics
+        self.config = config
+        self._on_crash = on_crash
+        self._reconcile_s = reconcile_s
+        self._tasks: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+
+    async def run(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        try:
+            while True:
+                self.reconcile()
+                await asyncio.sleep(self._reconcile_s)
+        finally:
+            tasks = [task for _, task in self._tasks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.clear()
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def reconcile(self) -> None:
+        current = {e.url: e for e in self._registry}
+        for url, (endpoint, task) in list(self._tasks.items()):
+            if current.get(url) is not endpoint:
+                task.cancel()
+                del self._tasks[url]
+                self.sink.clear(endpoint.name, "removed")
+                self.metrics.forget(endpoint.name)
+        for url, endpoint in current.items():
+            if url not in self._tasks:
+                name = f"kv-events-{endpoint.name}"
+                task = asyncio.get_running_loop().create_task(
+                    supervise(name, lambda e=endpoint: self._follow(e), on_crash=self._on_crash), name=name
+                )
+                self._tasks[url] = (endpoint, task)
+
+    async def _follow(self, endpoint: Endpoint) -> None:
+        while True:
+            if endpoint.kv_events is not None:
+                source = source_from(endpoint.kv_events, urlsplit(endpoint.base_url).hostname or "")
+            elif self.config.discover:
+                source = await discover_source(self._session, endpoint, self.config.replay_timeout_s)
+            else:
+                source = None
+            if source is not None and self._ctx is not None:
+                await _Stream(self, endpoint.name, source, self._ctx).run()
+            else:
+                self.sink.set_live(endpoint.name, False)
+            await asyncio.sleep(self.config.rediscover_s if source is None else 0.1)
+
+
+class _Stream:
+    """One connection to one publisher; returns after being disconnected for ``rediscover_s``."""
+
+    def __init__(self, owner: KVEventSubscriber, name: str, source: KVEventSource, ctx: zmq.asyncio.Context):
+        self.owner, self.name, self.source, self.ctx = owner, name, source, ctx
+        self.sink, self.metrics, self.config = owner.sink, owner.metrics, owner.config
+        self.expected: int | None = None  # next sequence number wanted; None: not synced
+        self.connected = False
+        self.fresh = True
+        self._warned = False
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.source.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        down_since = time.monotonic()
+        log.info("kv events: %s subscribed to %s", self.name, self.source.endpoint)
+        try:
+            while True:
+                ready = dict(await poller.poll(_POLL_MS))
+                if monitor in ready:
+                    await self._monitor(monitor)
+                if sub in ready:
+                    await self._drain(sub)
+                if self.connected:
+                    down_since = time.monotonic()
+                elif time.monotonic() - down_since > self.config.rediscover_s:
+                    return  # the publisher may have moved: ask /kv_event_sources again
+        finally:
+            self._set_live(False)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+
+    # -- connection -------------------------------------------------------------------------
+    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+                # A new connection may be a new engine (seq from 0, empty cache): start over
+                # from whatever the replay buffer still holds.
+                self.sink.clear(self.name, "reconnect")
+                self.expected = 0
+                await self._replay(0, lost_reason=None)
+                self._set_live(True)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._set_live(False)
+                log.warning(
+                    "kv events: %s publisher disconnected; approximate index answers for it", self.name
+                )
+
+    def _set_live(self, live: bool) -> None:
+        live = live and self.connected and self.fresh and self.expected is not None
+        self.sink.set_live(self.name, live)
+        self.metrics.live.labels(self.name).set(1 if live else 0)
+
+    # -- messages ---------------------------------------------------------------------------
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        for _ in range(_DRAIN):
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                self._malformed(f"{len(frames)} frames, not 3")
+                continue
+            try:
+                seq = decode_seq(frames[1])
+            except DecodeError as exc:
+                self._malformed(str(exc))
+                continue
+            await self._on_message(seq, frames[2])
+        await asyncio.sleep(0)  # a burst: let requests run between drains
+
+    async def _on_message(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            self._malformed(str(exc))
+            return
+        if self.expected is None:
+            return  # not synced yet: the replay on connect covers it
+        if seq < self.expected:
+            return  # already applied (replayed)
+        if seq > self.expected:
+            self.metrics.replays.labels(self.name, "gap").inc()
+            await self._replay(self.expected, lost_reason="gap", until=seq)
+            if seq < self.expected:
+                return
+        self._apply(seq, batch)
+
+    def _apply(self, seq: int, batch: tuple[float, list[Any], list[str]]) -> None:
+        ts, events, errors = batch
+        for error in errors:
+            self._malformed(error)
+        known = []
+        for event in events:
+            if isinstance(event, UnknownEvent):
+                self.metrics.unknown.labels(self.name, event.type[:64]).inc()
+                self._warn_once(f"unknown event type {event.type[:64]!r}")
+            else:
+                known.append(event)
+        self.sink.apply(self.name, known, ts)
+        self.metrics.applied.labels(self.name).inc(len(known))
+        lag = max(0.0, time.time() - ts)
+        self.metrics.lag.labels(self.name).set(lag)
+        fresh = lag <= self.config.stale_after_s
+        self.expected = seq + 1
+        if fresh != self.fresh:
+            self.fresh = fresh
+            self._set_live(True)
+
+    async def _replay(self, start: int, *, lost_reason: str | None, until: int | None = None) -> None:
+        """Apply the buffered messages from ``start``; what cannot be had drops the state."""
+        replayed = await self._fetch_replay(start)
+        if replayed is None:
+            if until is not None:  # a gap nobody can fill: start over from here
+                self._reset(lost_reason or "gap", until)
+            return
+        for seq, payload in replayed:
+            assert self.expected is not None
+            if seq < self.expected:
+                continue
+            try:
+                batch = decode_batch(payload)
+            except DecodeError as exc:
+                self._malformed(str(exc))
+                continue
+            if seq > self.expected and lost_reason is not None:
+                self._reset(lost_reason, seq)  # the buffer no longer reaches back far enough
+            self._apply(seq, batch)
+        if until is not None and self.expected is not None and self.expected < until:
+            self._reset(lost_reason or "gap", until)
+        self.metrics.replays.labels(self.name, "ok").inc()
+
+    def _reset(self, reason: str, seq: int) -> None:
+        self.sink.clear(self.name, reason)  # the sink counts the reset if it held anything
+        self.expected = seq
+        log.warning(
+            "kv events: %s lost events (%s); its exact state starts over at seq %d", self.name, reason, seq
+        )
+
+    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        address = self.source.replay_endpoint
+        if address is None:
+            return None
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(address)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.config.replay_timeout_s):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 3:
+                        self._malformed(f"replay: {len(frames)} frames, not 3")
+                        continue
+                    seq = decode_seq(frames[1])
+                    if seq == -1:
+                        return out
+                    out.append((seq, frames[2]))
+        except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
+            self.metrics.replays.labels(self.name, "failed").inc()
+            log.warning("kv events: replay from %s failed: %s", address, exc or "timeout")
+            return None
+        finally:
+            dealer.close(0)
+
+    def _malformed(self, why: str) -> None:
+        self.metrics.decode_errors.labels(self.name).inc()
+        self._warn_once(f"malformed KV-event frame: {why}")
+
+    def _warn_once(self, message: str) -> None:
+        if self._warned:
+            log.debug("kv events: %s: %s", self.name, message)
+        else:
+            self._warned = True
+            log.warning("kv events: %s: %s (further ones at debug level)", self.name, message)

@@ -1,0 +1,97 @@
+"""Metrics of the engines' KV-event streams and of the exact prefix index built from them.
+
+Registered in the gateway's own ``CollectorRegistry`` next to :class:`GatewayMetrics`
+(which is at its module size bound), with the same per-endpoint ``forget``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["KVEventMetrics"]
+
+# predicted − engine-reported cached tokens: symmetric, in tokens.
+_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
+
+
+class KVEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.applied = Counter(
+            "llm_gateway_kv_events_applied",
+            "KV events from the engines applied to the exact prefix index",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.decode_errors = Counter(
+            "llm_gateway_kv_events_decode_errors",
+            "KV-event frames or events that could not be decoded (skipped)",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.unknown = Counter(
+            "llm_gateway_kv_events_unknown",
+            "KV events of a type the gateway does not know (skipped)",
+            ["endpoint", "type"],
+            registry=registry,
+        )
+        self.replays = Counter(
+            "llm_gateway_kv_events_replays",
+            "Replays asked of an engine's replay endpoint, by outcome",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            "llm_gateway_kv_events_resets",
+            "Times an endpoint's exact state was dropped, by reason",
+            ["endpoint", "reason"],
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "llm_gateway_kv_events_lag_seconds",
+            "Wall-clock time from the engine publishing a KV-event batch to the gateway applying it",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.live = Gauge(
+            "llm_gateway_kv_events_live",
+            "1 while the endpoint's KV-event stream is connected, in sequence and fresh",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.exact_blocks = Gauge(
+            "llm_gateway_prefix_exact_blocks",
+            "Blocks the exact prefix index holds for the endpoint",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "llm_gateway_prefix_exact_fallbacks",
+            "Matches answered by the approximate index for an endpoint without exact state, by reason",
+            ["endpoint", "reason"],
+            registry=registry,
+        )
+        self.tokenize = Counter(
+            "llm_gateway_prefix_tokenize",
+            "Engine tokenizations for exact matching, by outcome (ok, cached, timeout, error, skipped)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.prediction_error = Histogram(
+            "llm_gateway_prefix_cached_tokens_prediction_error",
+            "Predicted minus engine-reported cached prompt tokens, per index kind",
+            ["index"],
+            buckets=_ERROR_BUCKETS,
+            registry=registry,
+        )
+
+    def forget(self, endpoint: str) -> None:
+        """An endpoint left the fleet: drop its series."""
+        for metric in (self.applied, self.decode_errors, self.lag, self.live, self.exact_blocks):
+            try:
+                metric.remove(endpoint)
+            except KeyError:
+                pass
+        for metric in (self.unknown, self.replays, self.resets, self.fallbacks):
+            for labels in list(metric._metrics):  # prometheus_client has no "remove by one label"
+                if labels[0] == endpoint:
+                    metric.remove(*labels)

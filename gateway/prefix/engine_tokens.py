@@ -1,0 +1,136 @@
+"""The engine's own tokens for a request's prompt, after its chat template: ``POST /tokenize``.
+
+Exact prefix matching compares token blocks, so the gateway asks the engine (vLLM's
+``/tokenize`` takes the chat request's ``messages`` and the template options, or a
+completion's ``prompt``) once per request, with a short timeout, and only when a policy
+asks for an exact match. Answers are kept in a bounded LRU keyed by the canonical prompt
+(and the template options), so a conversation's retries, P/D legs, regenerations and
+repeated prompts pay once. Requests the exact index cannot describe — multimodal parts
+(their blocks carry media hashes), a ``cache_salt``, batched prompts, other APIs — get
+``None``: the approximate index answers for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+import xxhash
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.request.types import InferenceRequest
+
+__all__ = ["EngineTokens", "tokenize_body"]
+
+log = logging.getLogger(__name__)
+
+# Chat fields that change what the template renders, passed to /tokenize as given.
+_TEMPLATE_FIELDS = (
+    "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "documents",
+)  # fmt: skip
+
+
+def _text_only(messages: list[Any]) -> bool:
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            return False
+    return True
+
+
+def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | None:
+    """What to send to ``/tokenize`` for ``request``; the tokens themselves for a token prompt."""
+    body = request.body
+    if "cache_salt" in body:
+        return None
+    if request.api == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not _text_only(messages):
+            return None
+        out: dict[str, Any] = {"model": request.model, "messages": messages}
+        out.update((k, body[k]) for k in _TEMPLATE_FIELDS if k in body)
+        return out
+    if request.api == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            out = {"model": request.model, "prompt": prompt}
+            if "add_special_tokens" in body:
+                out["add_special_tokens"] = body["add_special_tokens"]
+            return out
+        if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+            return prompt
+    return None
+
+
+class EngineTokens:
+    def __init__(self, metrics: KVEventMetrics, *, timeout_s: float, cache_entries: int) -> None:
+        self.session: aiohttp.ClientSession | None = None  # the app's, set when it starts
+        self._metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._entries = cache_entries
+        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+
+    def _key(self, request: InferenceRequest, body: dict[str, Any]) -> bytes:
+        extras = {k: v for k, v in body.items() if k not in ("model", "messages", "prompt")}
+        hasher = xxhash.xxh3_128(f"{request.api}\x00{request.model}\x00".encode())
+        hasher.update(request.prompt_text.encode("utf-8", "surrogatepass"))
+        if extras:
+            hasher.update(json.dumps(extras, sort_keys=True, default=str).encode())
+        return hasher.digest()
+
+    async def tokens(self, request: InferenceRequest, endpoint: Endpoint) -> list[int] | None:
+        """The engine's prompt tokens for ``request`` (asking ``endpoint``), or None."""
+        body = tokenize_body(request)
+        if body is None:
+            self._metrics.tokenize.labels("skipped").inc()
+            return None
+        if isinstance(body, list):
+            return body
+        key = self._key(request, body)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self._metrics.tokenize.labels("cached").inc()
+            return cached.tolist()
+        tokens = await self._ask(endpoint, body)
+        if tokens is not None and self._entries:
+            self._cache[key] = array("I", tokens)
+            while len(self._cache) > self._entries:
+                self._cache.popitem(last=False)
+        return tokens
+
+    async def _ask(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
+        if self.session is None:
+            return None
+        try:
+            async with self.session.post(
+                endpoint.base_url + "/tokenize",
+                json=body,
+                timeout=self._timeout,
+                headers={"authorization": endpoint.auth_header} if endpoint.auth_header else None,
+                ssl=endpoint.ssl_context or True,
+            ) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"status {resp.status}")
+                answer = await resp.json(content_type=None)
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+                raise ValueError("no token list in the answer")
+        except TimeoutError:
+            self._metrics.tokenize.labels("timeout").inc()
+            log.debug("tokenize on %s timed out", endpoint.name)
+            return None
+        except (aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
+            self._metrics.tokenize.labels("error").inc()
+            log.debug("tokenize on %s failed: %s", endpoint.name, exc)
+            return None
+        self._metrics.tokenize.labels("ok").inc()
+        return tokens

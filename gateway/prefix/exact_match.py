@@ -1,0 +1,92 @@
+"""Exact prefix matches for a request, per endpoint, where the endpoint's KV events are live.
+
+:class:`PrefixCache` calls :meth:`ExactPrefix.prepare` from its ``match`` (so every
+policy that matches prefixes — ``prefix-cost`` among them — gets exact numbers without
+knowing about them): for the candidates whose exact state is live it fetches the
+engine's tokens once per request (:class:`EngineTokens`), computes the block keys once per
+block size, and stores the cached tokens the engine will report — the longest run of
+held blocks, at most ``(prompt tokens − 1) // block size`` blocks, since the engine always
+computes the last prompt token — in the request's :class:`PrefixState`. Candidates
+without live exact state are answered by the approximate index: a per-endpoint fallback,
+counted (``llm_gateway_prefix_exact_fallbacks``) for endpoints that have a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.prefix.engine_tokens import EngineTokens
+from gateway.prefix.exact import ExactIndex, block_keys
+from gateway.request.types import InferenceRequest
+
+if TYPE_CHECKING:
+    from gateway.prefix.cache import PrefixState
+
+__all__ = ["ExactPrefix"]
+
+_KEYS_OFF_LOOP_TOKENS = 32_768  # ~2 ms of hashing: above it a worker thread is cheaper than the stall
+
+
+class ExactPrefix:
+    def __init__(self, index: ExactIndex, tokens: EngineTokens, metrics: KVEventMetrics) -> None:
+        self.index = index
+        self.tokens = tokens
+        self.metrics = metrics
+
+    async def prepare(
+        self, request: InferenceRequest, state: PrefixState, candidates: Sequence[Endpoint]
+    ) -> None:
+        index = self.index
+        exact = state.exact if state.exact is not None else {}
+        todo = []
+        for endpoint in candidates:
+            if endpoint in exact:
+                continue
+            if index.live(endpoint.name) and self._block_size(endpoint):
+                todo.append(endpoint)
+            elif index.known(endpoint.name):
+                self.metrics.fallbacks.labels(endpoint.name, "not_live").inc()
+        if not todo:
+            return
+        if state.engine_tokens is None:
+            state.engine_tokens = await self.tokens.tokens(request, todo[0]) or []
+        tokens = state.engine_tokens
+        if not tokens:
+            for endpoint in todo:
+                self.metrics.fallbacks.labels(endpoint.name, "no_tokens").inc()
+            return
+        keys: dict[tuple[int, str | None], list[int]] = {}
+        for endpoint in todo:
+            size = self._block_size(endpoint)
+            lora = request.model if index.lora_known(endpoint.name, request.model) else None
+            chain = keys.get((size, lora))
+            if chain is None:
+                if len(tokens) > _KEYS_OFF_LOOP_TOKENS:
+                    chain = await asyncio.to_thread(block_keys, tokens, size, lora)
+                else:
+                    chain = block_keys(tokens, size, lora)
+                keys[(size, lora)] = chain
+            held = index.matched_blocks(endpoint.name, chain)
+            exact[endpoint] = min(held, (len(tokens) - 1) // size) * size
+        state.exact = exact
+
+    def _block_size(self, endpoint: Endpoint) -> int:
+        """From its events, else from its metrics (vllm:cache_config_info); 0: unknown yet."""
+        return self.index.block_size(endpoint.name) or endpoint.metrics.block_size or 0
+
+    def observe(self, kind: str, error_tokens: int) -> None:
+        self.metrics.prediction_error.labels(kind).observe(error_tokens)
+
+    def update_capacity(self, endpoint: Endpoint) -> None:
+        if endpoint.metrics.num_blocks:
+            self.index.set_capacity(endpoint.name, endpoint.metrics.num_blocks)
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """Removed, restarted or down. A live stream stays in sequence (a restart breaks its
+        connection, and every reconnection starts the state over), so only a dead one's goes."""
+        if not self.index.live(endpoint.name):
+            self.index.clear(endpoint.name, "forget")
