@@ -47,6 +47,23 @@ def vllm_metrics(waiting: float = 0.0, running: float = 0.0, kv: float = 0.0, mo
     )
 
 
+# The engines' wider surface (Responses, Messages, pooling, tokenizer): answered with a generic JSON.
+ENGINE_PATHS = (
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/classify",
+    "/pooling",
+    "/tokenize",
+    "/detokenize",
+)
+
+
 @dataclass
 class Received:
     path: str
@@ -83,7 +100,7 @@ class Upstream:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", *ENGINE_PATHS):
             app.router.add_post(path, self._inference)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -138,6 +155,9 @@ class Upstream:
             data = [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5, 1.0]}]
             usage = {"prompt_tokens": 2, "total_tokens": 2}
             return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+        streams = body.get("stream") and request.path in ("/v1/responses", "/v1/messages")
+        if request.path in ENGINE_PATHS and not streams:  # the engines' other APIs: any JSON
+            return web.json_response({"id": "resp_fake", "object": "fake", "model": model, "usage": {}})
         chat = request.path == "/v1/chat/completions"
         try:
             if body.get("stream"):

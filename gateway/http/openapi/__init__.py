@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.http.openapi.admin import admin_paths
+from gateway.http.openapi.engine_apis import engine_components, engine_paths
 from gateway.http.openapi.schema import (
     ENDPOINT_ROW,
     INFERENCE_ERRORS,
@@ -114,9 +115,14 @@ def openapi_document() -> dict[str, Any]:
             "version": _VERSION,
             "description": "OpenAI-compatible, LLM-aware routing gateway in front of vLLM / SGLang replicas.",
         },
-        "paths": {**_paths(), **admin_paths()},
-        "components": components(),
+        "paths": {**_paths(), **engine_paths(), **admin_paths()},
+        "components": _with_engine_schemas(components()),
     }
+
+
+def _with_engine_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    parts["schemas"].update(engine_components())
+    return parts
 
 
 @functools.cache
