@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from gateway.admission.queue import RateLimited, rewrite_body
 from gateway.auth import (
@@ -48,8 +49,8 @@ class TenantRateLimited(RateLimited):
         super().__init__(message, retry_after=decision.retry_after_s)
         self.decision = decision
 
-    def to_response(self, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-        return super().to_response({**self.decision.headers(), **(headers or {})})
+    def to_response(self, headers: dict[str, str] | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+        return super().to_response({**self.decision.headers(), **(headers or {})}, **kw)
 
 
 class TenantAuth:

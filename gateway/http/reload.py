@@ -108,6 +108,10 @@ class ConfigReloader:
         self._digest = self._read_digest()
         self._tasks: set[asyncio.Task[str]] = set()
         self._lock = asyncio.Lock()  # a SIGHUP during a watch-triggered reload waits its turn
+        # Every result exported at 0 from the start: a counter born at 1 by the first rejection
+        # shows Prometheus no increase, and LLMGatewayConfigReloadRejected would never fire for it.
+        for result in ("applied", "rejected", "unchanged"):
+            state.metrics.config_reloads.labels(result)
 
     def reload_soon(self) -> None:
         """For the SIGHUP handler: reload in a task (signal handlers cannot await)."""
