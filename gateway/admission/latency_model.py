@@ -24,6 +24,9 @@ fleet — so a cold replica predicts like its siblings and a handful of samples 
 produce wild coefficients. Coefficients are kept ≥ 0 (more work never makes a replica
 faster: an active-set solve drops a negative one), and residuals beyond 3× the running
 mean absolute residual are down-weighted (a preempted request must not tilt the fit).
+One fit serves every class, but classes do not wait alike (with the engine's priority
+scheduling a sheddable request waits behind everything): a multiplicative bias per
+priority, the running mean of observed / predicted, corrects the prediction for a class.
 Pure Python on 5×5 matrices: an observation costs tens of microseconds, a prediction a
 dot product. Nothing here blocks or does I/O.
 """
@@ -173,6 +176,7 @@ class LatencyModel:
         self.fleet.ttft.set_prior(_TTFT_PRIOR)
         self.fleet.tpot.set_prior(_TPOT_PRIOR)
         self._replicas: OrderedDict[str, _Replica] = OrderedDict()
+        self._bias: dict[str, float] = {}  # priority → mean observed / predicted TTFT
 
     # -- features ---------------------------------------------------------------------
     def ttft_features(self, endpoint: Endpoint, uncached_tokens: float) -> tuple[float, ...]:
@@ -194,9 +198,13 @@ class LatencyModel:
         replica = self._replicas.get(name)
         return replica if replica is not None else self.fleet
 
-    def predict_ttft(self, endpoint: Endpoint, uncached_tokens: float) -> float:
-        """Milliseconds from now to this request's first token on ``endpoint``."""
-        return self._for(endpoint.name).ttft.predict(self.ttft_features(endpoint, uncached_tokens))
+    def predict_ttft(self, endpoint: Endpoint, uncached_tokens: float, priority: str | None = None) -> float:
+        """Milliseconds from now to this request's first token on ``endpoint`` (for its class)."""
+        predicted = self._for(endpoint.name).ttft.predict(self.ttft_features(endpoint, uncached_tokens))
+        return predicted * self._bias.get(priority, 1.0) if priority is not None else predicted
+
+    def class_bias(self, priority: str) -> float:
+        return self._bias.get(priority, 1.0)
 
     def predict_tpot(self, endpoint: Endpoint) -> float:
         return self._for(endpoint.name).tpot.predict(self.tpot_features(endpoint))
@@ -238,7 +246,18 @@ class LatencyModel:
             self._replicas.move_to_end(name)
         return replica
 
-    def observe_ttft(self, name: str, x: Sequence[float], ttft_ms: float) -> None:
+    def observe_ttft(
+        self,
+        name: str,
+        x: Sequence[float],
+        ttft_ms: float,
+        *,
+        priority: str | None = None,
+        predicted_ms: float | None = None,
+    ) -> None:
+        if priority is not None and predicted_ms:
+            bias = self._bias.get(priority, 1.0)
+            self._bias[priority] = bias + 0.05 * (min(10.0, max(0.1, ttft_ms / predicted_ms)) - bias)
         self.fleet.ttft.observe(x, ttft_ms, _TTFT_PRIOR)
         self._replica(name).ttft.observe(x, ttft_ms, self.fleet.ttft.theta)
 

@@ -24,6 +24,7 @@ def ttft_estimator(prefix: PrefixCache, latency: LatencyModel) -> TtftEstimate:
         if not candidates or not all(latency.confident(e) for e in candidates):
             return None
         await prefix.match(request, candidates)
-        return min(latency.predict_ttft(e, prefix.uncached_tokens(request, e)) for e in candidates)
+        priority = request.priority
+        return min(latency.predict_ttft(e, prefix.uncached_tokens(request, e), priority) for e in candidates)
 
     return best_ttft_ms

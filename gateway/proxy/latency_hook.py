@@ -49,9 +49,17 @@ class LatencyHook(RequestHooks):
             return
         sample.first_byte_at = now
         ttft_ms = (now - sample.sent_at) * 1000
-        self._model.observe_ttft(endpoint.name, sample.ttft_x, ttft_ms)
+        model = self._model
+        predicted_ms = sample.predicted_ttft_ms * model.class_bias(request.priority)  # as routing saw it
+        model.observe_ttft(
+            endpoint.name,
+            sample.ttft_x,
+            ttft_ms,
+            priority=request.priority,
+            predicted_ms=sample.predicted_ttft_ms,
+        )
         metrics = self._metrics
-        metrics.child(metrics.ttft_predicted, endpoint.name).observe(sample.predicted_ttft_ms / 1000)
+        metrics.child(metrics.ttft_predicted, endpoint.name).observe(predicted_ms / 1000)
         metrics.child(metrics.ttft_observed, endpoint.name).observe(ttft_ms / 1000)
 
     def on_usage(self, request: InferenceRequest, endpoint: Endpoint, usage: Usage) -> None:

@@ -3,7 +3,8 @@
 The learned latency model (:mod:`gateway.admission.latency_model`) predicts each
 candidate's TTFT from its state now and this request's *uncached* prompt tokens there,
 so a prefix hit counts exactly as the prefill it saves, and a long prefill queue as the
-time it costs. With ``left`` = the milliseconds left until the request's deadline:
+time it costs (times the request's class bias: a sheddable request waits longer).
+With ``left`` = the milliseconds left until the request's deadline:
 
 - predicted to meet it (``p ≤ left``): ``0.5 + 0.5 × (left − p) / left`` — in (0.5, 1],
   more headroom scores higher;
@@ -43,7 +44,8 @@ class SloHeadroomScorer:
         await self._prefix.match(request, candidates)
 
     def predicted_ttft_ms(self, request: InferenceRequest, endpoint: Endpoint) -> float:
-        return self._latency.predict_ttft(endpoint, self._prefix.uncached_tokens(request, endpoint))
+        uncached = self._prefix.uncached_tokens(request, endpoint)
+        return self._latency.predict_ttft(endpoint, uncached, request.priority)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
         predicted = {e: self.predicted_ttft_ms(request, e) for e in candidates}

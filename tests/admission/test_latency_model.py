@@ -136,3 +136,17 @@ def test_replicas_are_bounded_and_forgotten() -> None:
     assert [model.samples(f"r{i}") for i in range(5)] == [0, 0, 1, 1, 1]
     model.forget("r4")
     assert model.samples("r4") == 0
+
+
+def test_a_class_that_waits_longer_gets_its_own_bias() -> None:
+    """With engine priority scheduling sheddable work waits behind the rest: one fit, per-class scale."""
+    model = LatencyModel(SaturationDetector(AdmissionConfig()))
+    rng = random.Random(9)
+    for i in range(300):
+        x = _features(rng)
+        priority, slower = ("sheddable", 3.0) if i % 3 == 0 else ("standard", 1.0)
+        model.observe_ttft("a", x, _truth(x) * slower, priority=priority, predicted_ms=_truth(x))
+    assert model.class_bias("sheddable") > 1.5 * model.class_bias("standard")
+    assert model.class_bias("critical") == 1.0  # never observed: no correction
+    busy = _endpoint("a", pending_prefill_tokens=2000.0)
+    assert model.predict_ttft(busy, 0.0, "sheddable") > model.predict_ttft(busy, 0.0, "standard")
