@@ -1,0 +1,199 @@
+"""Exact (KV events) vs approximate vs round-robin routing, same workload, same run.
+
+    .venv/bin/python -m loadtest.exact_bench [--replicas 3] [--kv-blocks 256] [--requests 600]
+
+Each arm gets fresh simulator processes (``--kv-events``: vLLM's ZMQ KV events) and its
+own ``llm-gateway serve``. The workload is multi-turn chat over shared documents with Zipf
+popularity, sized so that its working set is ~1.5× the fleet's KV cache (blocks are
+evicted all the time). Reported per arm: the engines' own prefix-cache hit ratio
+(``vllm:prefix_cache_hits / queries``), client TTFT p50/p99 (streamed), and the mean
+|predicted − engine-reported| cached tokens (``x-gateway-predicted-cached-tokens`` with
+``x-gateway-debug: 1`` against ``usage.prompt_tokens_details.cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
+from loadtest.harness.scrape import fetch_metrics
+
+MODEL = "sim-llama"
+ARMS = {
+    "exact": ("prefix-aware", {"prefix": {"exact": "auto"}}),
+    "approximate": ("prefix-aware", {"prefix": {"exact": "off"}}),
+    "round-robin": ("round-robin", {"prefix": {"exact": "off"}}),
+}
+
+
+@dataclass
+class Workload:
+    """Documents (Zipf popularity) and conversations over them; the same seed, the same requests."""
+
+    docs: int
+    doc_tokens: int
+    active: int
+    seed: int = 1
+    rng: random.Random = field(init=False)
+    conversations: list[list[dict[str, str]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        weights = [1 / (rank + 1) ** 1.1 for rank in range(self.docs)]
+        self.weights = [w / sum(weights) for w in weights]
+
+    def document(self, index: int) -> str:
+        return f"Document {index}: " + " ".join(f"d{index}w{i}" for i in range(self.doc_tokens))
+
+    def next(self, turn: int) -> tuple[int, list[dict[str, str]]]:
+        if len(self.conversations) < self.active or self.rng.random() < 0.25:
+            doc = self.rng.choices(range(self.docs), self.weights)[0]
+            conversation = [{"role": "system", "content": self.document(doc)}]
+            if len(self.conversations) >= self.active:
+                self.conversations.pop(self.rng.randrange(len(self.conversations)))
+            self.conversations.append(conversation)
+        index = self.rng.randrange(len(self.conversations))
+        conversation = self.conversations[index]
+        question = f"q{turn} " + " ".join(f"u{turn}x{i}" for i in range(self.rng.randint(20, 80)))
+        conversation.append({"role": "user", "content": question})
+        return index, list(conversation)
+
+
+@dataclass
+class Result:
+    ttft: float
+    predicted: int
+    cached: int
+
+
+async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[Result, str]:
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": 24, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    started = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with session.post(
+        url + "/v1/chat/completions", json=body, headers={"x-gateway-debug": "1"}
+    ) as resp:
+        resp.raise_for_status()
+        predicted = int(resp.headers.get("x-gateway-predicted-cached-tokens", "0"))
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    text.append(piece)
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Result(ttft or 0.0, predicted, cached), "".join(text)
+
+
+async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    policy, config = ARMS[name]
+    sim_args = ["--kv-events", "--kv-blocks", str(args.kv_blocks), "--time-scale", str(args.time_scale)]
+    replicas = await start_replicas(args.replicas, sim_args, log_dir=workdir / name)
+    config_path = workdir / f"{name}.json"  # JSON is YAML
+    config_path.write_text(json.dumps(config))
+    gateway = await start_gateway(
+        [r.url for r in replicas], ["--config", str(config_path), "--policy", policy], log_dir=workdir / name
+    )
+    try:
+        await asyncio.sleep(1.5)  # subscribers connect, first scrapes land
+        work = Workload(args.docs, args.doc_tokens, args.active)
+        results: list[Result] = []
+        turns = iter(range(args.requests))
+        lock = asyncio.Lock()
+        busy: set[int] = set()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def worker() -> None:
+                for turn in turns:
+                    async with lock:
+                        index, messages = work.next(turn)
+                        while index in busy:  # one request per conversation at a time
+                            index, messages = work.next(turn)
+                        busy.add(index)
+                        conversation = work.conversations[index]
+                    try:
+                        result, text = await one(session, gateway.url, messages)
+                    finally:
+                        busy.discard(index)
+                    conversation.append({"role": "assistant", "content": text})
+                    results.append(result)
+
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            if args.dump_metrics:
+                async with session.get(gateway.url + "/metrics") as resp:
+                    for line in (await resp.text()).splitlines():
+                        if any(k in line for k in args.dump_metrics.split(",")) and not line.startswith("#"):
+                            print(name, line)
+            hits = queries = 0.0
+            for replica in replicas:
+                counters = await fetch_metrics(session, replica.url)
+                hits += counters["hits"]
+                queries += counters["queries"]
+    finally:
+        await stop_all([gateway, *replicas])
+    ttfts = sorted(r.ttft for r in results)
+    return {
+        "arm": name,
+        "requests": len(results),
+        "hit_ratio": hits / queries if queries else 0.0,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "mean_abs_error_tokens": statistics.fmean(abs(r.predicted - r.cached) for r in results),
+        "exact_predictions": sum(1 for r in results if r.predicted == r.cached) / len(results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--kv-blocks", type=int, default=256, help="per replica, 16 tokens each")
+    parser.add_argument("--time-scale", type=float, default=2.0)
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--doc-tokens", type=int, default=700)
+    parser.add_argument("--active", type=int, default=24, help="conversations open at once")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--dump-metrics", default="", help="print gateway metric lines containing these")
+    args = parser.parse_args()
+    fleet_tokens = args.replicas * args.kv_blocks * 16
+    working_set = args.docs * (args.doc_tokens + 3) + args.active * 4 * 80
+    ratio = working_set / fleet_tokens
+    print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="exact-bench-") as tmp:
+        for name in args.arms.split(","):
+            rows.append(asyncio.run(run_arm(name, args, Path(tmp))))
+    print(
+        "| arm | requests | engine hit ratio | TTFT p50 ms | TTFT p99 ms "
+        "| mean abs(pred − actual) tokens | exact predictions |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f} | {r['ttft_p50_ms']:.1f} | "
+            f"{r['ttft_p99_ms']:.1f} | {r['mean_abs_error_tokens']:.1f} | {r['exact_predictions']:.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
