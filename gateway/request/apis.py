@@ -165,7 +165,8 @@ def _pooling_prompt(api: ApiKind, body: dict[str, Any]) -> str:
     if api is ApiKind.DETOKENIZE:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not tokens or any(isinstance(t, str | list) for t in tokens):
-            raise BadRequest("'tokens' is required and must be a non-empty array of token ids", param="tokens")
+            message = "'tokens' is required and must be a non-empty array of token ids"
+            raise BadRequest(message, param="tokens")
         return text_or_tokens(tokens, "tokens")
     if "messages" in body and api in (ApiKind.TOKENIZE, ApiKind.POOLING, ApiKind.CLASSIFY):
         messages = body["messages"]
