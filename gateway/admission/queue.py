@@ -3,8 +3,9 @@
 - ``critical``: admitted at once, ahead of everything, bounded only by a hard concurrency
   cap (beyond it, it queues first in line);
 - ``standard``: admitted while the pool has headroom; otherwise waits in a bounded queue
-  (fair across tenants: round-robin; within a tenant earliest deadline first — the TTFT
-  objective's deadline, else arrival + ``queue_timeout_s``, so without SLOs it is FIFO)
+  (fair across tenants: round-robin; within a tenant earliest deadline first among those
+  still meetable, then the overdue — the TTFT objective's deadline, else arrival +
+  ``queue_timeout_s``, so without SLOs it is FIFO)
   until headroom returns or its deadline passes → 429;
 - ``sheddable``: admitted only with headroom and nobody queued; otherwise served by the
   fallback model if one is configured and has room (degraded), else 429 at once.
@@ -223,9 +224,10 @@ class AdmissionController:
                 if self.critical_in_flight < self._config.critical_max_concurrency:
                     waiter.future.set_result(None)
                 return  # critical waiters block everything behind them
+        now = time.monotonic()
         for tenant in list(self._standard):
             queue = self._standard[tenant]
-            waiter = next((w for w in queue if not w.future.done()), None)
+            waiter = _next_waiter(queue, now)
             if waiter is None:
                 continue
             if self._saturated(waiter.request.model):
@@ -275,6 +277,23 @@ class AdmissionController:
 
 def _due(waiter: _Waiter) -> float:
     return waiter.due
+
+
+def _next_waiter(queue: deque[_Waiter], now: float) -> _Waiter | None:
+    """Earliest deadline first among those still meetable, then the overdue ones.
+
+    Plain EDF collapses under overload: it serves the most overdue requests first, all of
+    which have missed already, while the meetable ones behind them go stale too. Without
+    SLOs nothing is overdue while queued (due = arrival + queue_timeout_s): FIFO."""
+    overdue = None
+    for waiter in queue:
+        if waiter.future.done():
+            continue
+        if waiter.due > now:
+            return waiter
+        if overdue is None:
+            overdue = waiter
+    return overdue
 
 
 def rewrite_body(request: InferenceRequest) -> None:

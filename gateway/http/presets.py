@@ -48,13 +48,13 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
         (PluginSpec(type="cache-room"), 0.1),
         (PluginSpec(type="session-affinity"), 0.5),
     ),
-    # Learned latency against each request's TTFT objective (prefix hits through the uncached
-    # tokens); prefix-cost and cache room break ties between replicas with the same headroom.
+    # prefix-aware plus the learned latency against each request's TTFT objective: replicas
+    # predicted to miss it lose; prefix-cost keeps spreading load among those that meet it.
     "slo-aware": _preset(
         _TIE_BREAK,
         (PluginSpec(type="slo-headroom"), 1),
-        (PluginSpec(type="prefix-cost"), 0.2),
-        (PluginSpec(type="cache-room"), 0.05),
+        (PluginSpec(type="prefix-cost"), 1),
+        (PluginSpec(type="cache-room"), 0.1),
     ),
 }
 DEFAULT_POLICY = "prefix-aware"

@@ -73,7 +73,8 @@ async def test_the_standard_queue_is_earliest_deadline_first(
     spawn, stack, start_upstream, start_gateway, http
 ) -> None:
     """One tenant, one slot: queued requests leave in deadline order; without an SLO a
-    request's deadline is its arrival + queue_timeout_s, so it goes after tighter ones."""
+    request's deadline is its arrival + queue_timeout_s, so it goes after tighter ones; one
+    already overdue goes last (it has missed anyway: serving it first would make the rest miss)."""
     up = await start_upstream()
     gw = await admission_gateway(start_gateway, [up.url], max_concurrency=1, queue_timeout_s=15)
     gated(stack, up)
@@ -81,13 +82,14 @@ async def test_the_standard_queue_is_earliest_deadline_first(
     await asyncio.wait_for(up.first_chunk_sent.wait(), 3)
 
     queued = []
-    for i, (name, slo) in enumerate([("none", None), ("loose", "9000"), ("mid", "5000"), ("tight", "1000")]):
+    classes = [("overdue", "1"), ("none", None), ("loose", "9000"), ("mid", "5000"), ("tight", "1000")]
+    for i, (name, slo) in enumerate(classes):
         headers = {"x-slo-ttft-ms": slo} if slo else {}
         queued.append(spawn(_post(http, gw, body(name), **headers)))
         await wait_queue(http, gw, i + 1)
 
     up.gate.set()
     results = await asyncio.gather(holder, *queued)
-    assert [status for status, _ in results] == [200] * 5
+    assert [status for status, _ in results] == [200] * 6
     order = [r.json["messages"][0]["content"] for r in up.requests][1:]
-    assert order == ["tight", "mid", "loose", "none"], order
+    assert order == ["tight", "mid", "loose", "none", "overdue"], order
