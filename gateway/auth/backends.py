@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-
 from gateway.auth.keyfile import FileKeyStore
 from gateway.auth.keys import KeyStore
 from gateway.auth.ratelimit import MemoryRateLimiter, RateLimiter
 from gateway.auth.redis_keys import RedisKeyStore
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import AuthConfig
+from gateway.redis_client import redis_client
 
 __all__ = ["build_key_store", "build_rate_limiter"]
 
@@ -26,7 +25,7 @@ def build_key_store(config: AuthConfig, on_fallback: Callable[[str], None] | Non
         if not config.keys_file:
             raise ValueError("auth.keys_file: required for the file backend")
         return FileKeyStore(config.keys_file)
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    client = redis_client(config.redis_url)
     return RedisKeyStore(
         client,
         key_prefix=config.key_prefix,
@@ -44,7 +43,7 @@ def build_rate_limiter(config: AuthConfig, on_fallback: Callable[[str], None] | 
     """
     if config.limits_backend == "memory":
         return MemoryRateLimiter()
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    client = redis_client(config.redis_url)
     return RedisRateLimiter(
         client, key_prefix=config.key_prefix, budget_s=config.redis_budget_s, on_fallback=on_fallback
     )

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from gateway.config import DiscoveryConfig
+from gateway.redis_client import redis_ports
 
 __all__ = ["EndpointNetworks"]
 
@@ -39,12 +40,9 @@ class EndpointNetworks:
 
     @classmethod
     def from_config(cls, config: DiscoveryConfig, redis_urls: Iterable[str] = ()) -> EndpointNetworks:
-        ports = set()
+        ports: set[int] = set()
         for url in redis_urls:
-            try:
-                ports.add(urlsplit(url).port or _REDIS_PORT)
-            except ValueError:
-                continue
+            ports |= redis_ports(url)  # a cluster's seed nodes too
         return cls(config.allowed_networks, allow_link_local=config.allow_link_local, denied_ports=ports)
 
     def _address_refusal(self, address: _IPAddress) -> str | None:

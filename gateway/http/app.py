@@ -75,13 +75,10 @@ def build_prefix_index(config: PrefixConfig, metrics: GatewayMetrics) -> PrefixI
     local = MemoryPrefixIndex(default_capacity=config.capacity_blocks, ttl_s=config.ttl_s)
     if config.backend == "memory":
         return local
-    import redis.asyncio as aioredis
-
     from gateway.prefix.redis import RedisPrefixIndex
+    from gateway.redis_client import redis_client
 
-    client = aioredis.from_url(
-        config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0, health_check_interval=5
-    )
+    client = redis_client(config.redis_url, health_check_interval=5)
     return RedisPrefixIndex(
         client,
         local,
@@ -97,9 +94,9 @@ def build_session_store(config: SessionConfig, metrics: GatewayMetrics) -> Sessi
     local = MemorySessionStore(ttl_s=config.ttl_s, max_sessions=config.max_sessions)
     if config.backend == "memory":
         return local
-    import redis.asyncio as aioredis
+    from gateway.redis_client import redis_client
 
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    client = redis_client(config.redis_url)
     return RedisSessionStore(
         client,
         local,
@@ -114,9 +111,9 @@ def build_response_store(config: SessionConfig, metrics: GatewayMetrics) -> Resp
     local = MemoryResponseStore(ttl_s=config.response_ttl_s, max_entries=config.max_responses)
     if config.backend == "memory":
         return local
-    import redis.asyncio as aioredis
+    from gateway.redis_client import redis_client
 
-    client = aioredis.from_url(config.redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+    client = redis_client(config.redis_url)
     return RedisResponseStore(
         client,
         local,
