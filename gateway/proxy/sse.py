@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 from gateway.errors import error_body
 from gateway.proxy.upstream import UpstreamResponse
+from gateway.proxy.upstream_response import ConnectionLost
 from gateway.request.types import ApiKind, InferenceRequest, Usage
 
 __all__ = [
@@ -116,25 +118,85 @@ def error_event(message: str, *, mid_event: bool, api: ApiKind = ApiKind.CHAT) -
 
 
 async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResponse) -> bytes:
-    """The first chunk of a stream; for chat, held until it carries more than the role.
+    """The first chunk of a stream, held until it carries real content.
 
     vLLM and SGLang open a chat stream with ``delta: {"role": "assistant", "content": ""}``
-    before any token exists. Committing the client's response on that chunk would make
-    a replica dying during prefill a mid-stream failure; holding it keeps the request
-    retryable until a real token (or the end) arrives.
+    before any token exists; a Messages stream with ``message_start`` (and an empty
+    ``content_block_start``), a Responses stream with ``response.created`` /
+    ``response.in_progress`` (and an empty output item / content part). Committing the
+    client's response on such an opening would make a replica dying during prefill a
+    mid-stream failure; holding it keeps the request retryable until a real token (or the
+    end) arrives. A typed-event stream that ends after its opening alone is a broken one
+    (:class:`ConnectionLost`, retried like any other).
     """
     chunk = await upstream.readany()
-    if request.api is not ApiKind.CHAT or b'"role"' not in chunk or not _only_role(chunk):
+    if request.api is ApiKind.CHAT:
+        if b'"role"' not in chunk or not _only_role(chunk):
+            return chunk
+        opening, limit = _only_role, _MAX_HELD_BYTES
+    elif (typed := _TYPED_OPENING.get(request.api)) is not None:
+        opening, limit = typed, _MAX_HELD_TYPED_BYTES
+        if not chunk or not opening(chunk):
+            return chunk
+    else:
         return chunk
     held = bytearray(chunk)
-    while len(held) < _MAX_HELD_BYTES:
+    while len(held) < limit:
         more = await upstream.readany()
         if not more:
+            if request.api is not ApiKind.CHAT:
+                raise ConnectionLost(
+                    "the stream ended after its opening events, before any content", before_response=False
+                )
             break
         held += more
-        if not _only_role(bytes(held)):
+        if not opening(bytes(held)):
             break
     return bytes(held)
+
+
+# Typed-event streams: the events that open a stream before the engine has produced anything,
+# with, for those that start a block, the block types that are still empty when they start.
+_OPENING_EVENTS: dict[ApiKind, dict[str, tuple[str, frozenset[str]] | None]] = {
+    ApiKind.MESSAGES: {
+        "message_start": None,
+        "ping": None,
+        "content_block_start": ("content_block", frozenset({"text", "thinking"})),
+    },
+    ApiKind.RESPONSES: {
+        "response.created": None,
+        "response.in_progress": None,
+        "response.output_item.added": ("item", frozenset({"message", "reasoning"})),
+        "response.content_part.added": None,
+    },
+}
+_MAX_HELD_TYPED_BYTES = 262144  # response.created echoes the request's instructions and tools
+
+
+def _typed_opening(kinds: dict[str, tuple[str, frozenset[str]] | None]) -> Callable[[bytes], bool]:
+    def opening(buffer: bytes) -> bool:
+        """True while every complete event so far only opens the stream (nothing to show yet)."""
+        *events, _incomplete_tail = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            data = b"".join(line[5:] for line in event.strip().splitlines() if line.startswith(b"data:"))
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                return False
+            if not isinstance(payload, dict) or payload.get("type") not in kinds:
+                return False
+            block = kinds[payload["type"]]
+            if block is not None:
+                field, empty_types = block
+                part = payload.get(field)
+                if not isinstance(part, dict) or part.get("type") not in empty_types:
+                    return False
+        return True
+
+    return opening
+
+
+_TYPED_OPENING = {api: _typed_opening(kinds) for api, kinds in _OPENING_EVENTS.items()}
 
 
 def _only_role(buffer: bytes) -> bool:

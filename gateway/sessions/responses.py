@@ -139,6 +139,7 @@ class RedisResponseStore:
 
 
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')
+_CREATED_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
 
 
 def response_id_in(head: bytes) -> str | None:
@@ -156,6 +157,9 @@ def response_id_in(head: bytes) -> str | None:
                     payload = json.loads(line[5:])
                     response_id = payload["response"]["id"]
                 except (ValueError, KeyError, TypeError):
-                    return None
+                    # Cut by the head's bound (the event echoes the request's instructions and
+                    # tools): vLLM writes the response's own id first.
+                    found = _CREATED_ID.search(line)
+                    return found.group(1).decode() if found else None
                 return response_id if isinstance(response_id, str) else None
     return None

@@ -102,6 +102,7 @@ def offline_env(cache_dir: Path | None) -> dict[str, str]:
         VLLM_CPU_OMP_THREADS_BIND="nobind",
         OMP_NUM_THREADS="1",
         VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache, so runs start from a cold cache
+        VLLM_ENABLE_RESPONSES_API_STORE="1",  # GET /v1/responses/{id}, previous_response_id chains
         PYTHONUNBUFFERED="1",
     )
     env.pop("VIRTUAL_ENV", None)

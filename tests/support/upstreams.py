@@ -9,7 +9,9 @@ One aiohttp app, real sockets, behaviour switched by attributes the test sets:
 - ``mode = "die"``: sends the headers and the first bytes, then aborts the TCP connection;
 - ``mode = "cut-mid-event"``: streams the first chunk, then half of an event, then aborts;
 - ``mode = "status"``: answers ``status`` with ``body`` byte for byte (4xx / 5xx cases);
-- ``mode = "status-stall"``: sends ``status`` and the headers, then stalls inside the body.
+- ``mode = "status-stall"``: sends ``status`` and the headers, then stalls inside the body;
+- ``/v1/responses`` and ``/v1/messages`` streams are typed events (:func:`typed_events`), with
+  the ``open-then-die`` / ``open-then-end`` / ``open-then-gated`` modes besides.
 
 ``metrics_text`` is served on ``/metrics`` (``metrics_mode`` "ok" | "error" | "hang"),
 ``healthy`` drives ``/health``, and every inference request is recorded in ``requests``.
@@ -160,6 +162,8 @@ class Upstream:
             return web.json_response({"id": "resp_fake", "object": "fake", "model": model, "usage": {}})
         chat = request.path == "/v1/chat/completions"
         try:
+            if streams:
+                return await self._typed_stream(request, model)
             if body.get("stream"):
                 return await self._stream(request, chat, model)
             return await self._complete(request, chat, model)
@@ -237,11 +241,114 @@ class Upstream:
         await resp.write_eof()
         return resp
 
+    async def _typed_stream(self, request: web.Request, model: str) -> web.StreamResponse:
+        """A Responses or Messages stream as vLLM writes it: opening events, text deltas, the end.
+
+        ``mode`` "open-then-die" / "open-then-end" / "open-then-gated": the opening events
+        only, then an abort / a clean end / the gate; "die" and "cut-mid-event" as for chat,
+        after the first text delta."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        opening, deltas, closing = typed_events(request.path, model)
+
+        async def send(event: dict[str, Any]) -> None:
+            await resp.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+
+        for event in opening:
+            await send(event)
+        if self.mode.startswith("open-then-"):
+            self.first_chunk_sent.set()
+            if self.mode == "open-then-die":
+                self._abort(request)
+                return resp
+            if self.mode == "open-then-end":
+                await resp.write_eof()
+                return resp
+            await self.gate.wait()
+        await send(deltas[0])
+        self.first_chunk_sent.set()
+        if self.mode == "die":
+            self._abort(request)
+            return resp
+        if self.mode == "cut-mid-event":
+            await resp.write(b'event: x\ndata: {"type": "x", "par')
+            await asyncio.sleep(0.05)
+            self._abort(request)
+            return resp
+        for event in (*deltas[1:], *closing):
+            await send(event)
+        self.rest_sent.set()
+        await resp.write_eof()
+        return resp
+
     @staticmethod
     def _abort(request: web.Request) -> None:
         transport = request.transport
         assert transport is not None
         transport.abort()
+
+
+Events = list[dict[str, Any]]
+
+
+def typed_events(path: str, model: str) -> tuple[Events, Events, Events]:
+    """(opening, text deltas, closing) events of a Responses (``/v1/responses``) or Messages stream."""
+    if path == "/v1/messages":
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": model, "content": []}
+        message |= {"stop_reason": None, "stop_sequence": None}
+        message["usage"] = {"input_tokens": 3, "output_tokens": 0}
+        opening = [
+            {"type": "message_start", "message": message},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ]
+        deltas = [
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+            for text in CHUNKS
+        ]
+        closing = [
+            {"type": "content_block_stop", "index": 0},
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": len(CHUNKS)},
+            },
+            {"type": "message_stop"},
+        ]
+        return opening, deltas, closing
+    response = {"id": "resp_typed", "object": "response", "created_at": 0, "model": model}
+    response["status"] = "in_progress"
+    response |= {"output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    opening = [
+        {"type": "response.created", "sequence_number": 0, "response": response},
+        {"type": "response.in_progress", "sequence_number": 1, "response": response},
+        {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item},
+        {
+            "type": "response.content_part.added",
+            "sequence_number": 3,
+            "item_id": "msg_1",
+            "output_index": 0,
+            "content_index": 0,
+            "part": part,
+        },
+    ]
+    where = {"item_id": "msg_1", "output_index": 0, "content_index": 0, "logprobs": []}
+    deltas = [
+        {"type": "response.output_text.delta", "sequence_number": 4 + i, "delta": text, **where}
+        for i, text in enumerate(CHUNKS)
+    ]
+    text = "".join(CHUNKS)
+    usage = {"input_tokens": 3, "output_tokens": len(CHUNKS), "total_tokens": 3 + len(CHUNKS)}
+    usage |= {"input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    done_item = {**item, "status": "completed", "content": [{**part, "text": text}]}
+    done = {**response, "status": "completed", "output": [done_item], "usage": usage}
+    closing = [
+        {"type": "response.output_text.done", "sequence_number": 8, "text": text, **where},
+        {"type": "response.output_item.done", "sequence_number": 9, "output_index": 0, "item": done_item},
+        {"type": "response.completed", "sequence_number": 10, "response": done},
+    ]
+    return opening, deltas, closing
 
 
 @contextlib.asynccontextmanager
