@@ -4,6 +4,10 @@ Refused with a 400, never a 500: invalid UTF-8, nesting deeper than ``max_json_d
 (checked on the raw bytes *before* ``json.loads``, so the recursive C decoder never
 sees it), and non-finite or out-of-range numbers (``1e400``, ``NaN``, 400-digit
 integers), reported with the field that held them.
+
+Bodies are decoded by msgspec (C, validates UTF-8, refuses NaN/Infinity and numbers past a
+double); anything it refuses is decoded again by ``json.loads`` with the number hooks, the
+precise path, which alone produces the error messages.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import json
 import math
 import re
 from typing import Any
+
+import msgspec
 
 from gateway.errors import BadRequest
 from gateway.request.fields import NUMBER_MAX
@@ -113,17 +119,42 @@ class _NumberGuard:
             raise BadRequest(self.first.describe(), code="number_out_of_range")
 
 
+# The fast decoder (issue 17: ~6x json.loads on chat bodies). It validates UTF-8 and refuses
+# NaN/Infinity and numbers that overflow a double, and keeps integers exact (arbitrary size,
+# like json.loads); whatever it refuses goes to the precise path below, which alone words
+# the error, so the messages stay exactly those of json.loads and the number guard.
+_FAST = msgspec.json.Decoder()
+
+
 def load_object(raw_body: bytes, max_depth: int) -> tuple[dict[str, Any], _NumberGuard]:
+    if nesting_exceeds(raw_body, max_depth):
+        try:
+            raw_body.decode("utf-8")
+        except UnicodeDecodeError as exc:  # invalid UTF-8 is reported first, as it always was
+            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+        raise BadRequest(f"request body nests deeper than {max_depth} levels", code="json_too_deep")
+    # Without a digit run as long as the double range, no integer literal can leave it: skip
+    # the per-integer hook then (it costs ~0.3 µs an integer, e.g. for token-id prompts), and
+    # the fast decoder's integers are the precise path's.
+    long_digits = _LONG_DIGIT_RUN in raw_body.translate(_DIGITS_AS_ZERO)
+    if not long_digits:
+        try:
+            body = _FAST.decode(raw_body)
+        except (msgspec.DecodeError, RecursionError):
+            pass  # refused (or an edge the fast decoder rejects, e.g. a "\ud800" escape): be precise
+        else:
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            return body, _NumberGuard()
+    return _load_precise(raw_body, max_depth, long_digits)
+
+
+def _load_precise(raw_body: bytes, max_depth: int, long_digits: bool) -> tuple[dict[str, Any], _NumberGuard]:
     try:
         text = raw_body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
-    if nesting_exceeds(raw_body, max_depth):
-        raise BadRequest(f"request body nests deeper than {max_depth} levels", code="json_too_deep")
     guard = _NumberGuard()
-    # Without a digit run as long as the double range, no integer literal can leave it: skip
-    # the per-integer hook then (it costs ~0.3 µs an integer, e.g. for token-id prompts).
-    long_digits = _LONG_DIGIT_RUN in raw_body.translate(_DIGITS_AS_ZERO)
     try:
         body = json.loads(
             text,
