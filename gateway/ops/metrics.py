@@ -9,8 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+# Counter and Histogram without a lock per update; the exposition is prometheus_client's own.
+from gateway.ops.lockfree import LockFreeCounter as Counter
+from gateway.ops.lockfree import LockFreeHistogram as Histogram
 
 if TYPE_CHECKING:
     from gateway.fleet.endpoint import Endpoint
