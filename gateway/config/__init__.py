@@ -27,6 +27,7 @@ from gateway.config.fleet import (
     check_endpoint_url,
 )
 from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
+from gateway.config.models import ModelsSection, WeightedTarget
 from gateway.config.slo import SloConfig, SloTarget
 from gateway.request.types import Priority
 
@@ -51,6 +52,7 @@ __all__ = [
     "SessionConfig",
     "SloConfig",
     "SloTarget",
+    "WeightedTarget",
     "check_endpoint_url",
     "format_validation_error",
     "load_config",
@@ -283,6 +285,9 @@ class GatewayConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    models: ModelsSection = Field(
+        default_factory=dict, description="model aliases and weighted splits (gateway.config.models)"
+    )
     policy: str | None = Field(None, description="a named preset; exclusive with plugins/profiles")
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: list[ProfileSpec] = Field(default_factory=list)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from gateway.admission.aliases import ModelAliases
 from gateway.admission.latency_model import LatencyModel
 from gateway.admission.queue import AdmissionController
 from gateway.admission.saturation import SaturationDetector
@@ -227,6 +228,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         plugin_registry=plugin_registry,
         plugin_context=context,
         parse_options=parse_options(config),
+        aliases=ModelAliases(config.models, metrics.registry, lambda model: bool(registry.candidates(model))),
     )
 
     if config.discovery.kubernetes is not None or config.discovery.dns:

@@ -52,6 +52,9 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
             auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
             decision, charged = await auth.limit(tenant, request)
             limit_headers = decision.headers()
+        aliases = state.aliases
+        if aliases and (target := aliases.resolve(request)) is not None:
+            limit_headers["x-gateway-model"] = target  # keys allow the alias; the engine sees its target
         failed = True
         try:
             response = await _route(state, http_request, request, limit_headers)
@@ -98,9 +101,12 @@ def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
 
 
 async def list_models(http_request: web.Request) -> web.Response:
-    """Models with a healthy endpoint; with auth on, only those the caller's key may use."""
+    """Models with a healthy endpoint, and aliases with a target among them; with auth on,
+    only those the caller's key may use."""
     state = http_request.app[STATE]
     models = state.registry.healthy_models()
+    if state.aliases:
+        models = [*models, *(a for a in state.aliases.listed(models) if a not in models)]
     if state.auth is not None:
         tenant = await state.auth.authenticate(http_request.headers)
         models = [m for m in models if tenant.allows_model(m)]

@@ -6,7 +6,7 @@ counter, and the old config stays in force. A valid one is applied in place:
 endpoints (added/removed through ``FleetMembership``; in-flight requests finish on
 the endpoints they were sent to), the routing policy (a new scheduler *and* the hook
 chain built for it, swapped together, for the next request), admission limits,
-timeouts, retries and breaker settings.
+timeouts, retries and breaker settings, model aliases and split weights.
 
 Sections that own sockets or background tasks (``server``, ``prefix``, ``sessions``,
 ``pd``, ``discovery``, the auth backends) need a restart; a change there is logged
@@ -91,6 +91,8 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
             settings = dataclasses.replace(settings, retry_budget=state.proxy.settings.retry_budget)
         state.proxy.reconfigure(settings)
     state.parse_options = parse_options(new)
+    if state.aliases is not None:
+        state.aliases.reconfigure(new.models)
     if state.auth is not None:
         state.auth.reconfigure(new.auth)
     state.config = new

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.admission.aliases import ModelAliases
 from gateway.admission.queue import AdmissionController
 from gateway.config import GatewayConfig
 from gateway.fleet.endpoint import Endpoint
@@ -48,6 +49,7 @@ class GatewayState:
     probe: Callable[[list[Endpoint]], Awaitable[None]] | None = None  # health-check these now
     auth: Any = None  # gateway.auth wiring (TenantAuth) when auth is enabled
     side_client: Any = None  # aiohttp ClientSession for the Responses API's stateful calls
+    aliases: ModelAliases | None = None  # config models: (aliases, weighted splits); reload reconfigures
     shutting_down: bool = False  # SIGTERM received: /ready says 503 while in-flight work drains
 
 
