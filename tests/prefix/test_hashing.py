@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from gateway.request.prompt import canonical_chat_prompt
 
 from gateway.prefix.hashing import DEFAULT_BLOCK_BYTES, block_hashes
+from gateway.request.prompt import canonical_chat_prompt
 
 B = DEFAULT_BLOCK_BYTES
 SYSTEM = "You are a meticulous assistant. Answer in full sentences and cite the sources you use. " * 3

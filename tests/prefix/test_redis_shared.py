@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import openai
-from gateway.request.prompt import canonical_chat_prompt
 
 from gateway.prefix.hashing import block_hashes
+from gateway.request.prompt import canonical_chat_prompt
 from tests.prefix.conftest import GatewayProcessless, RedisServer, gateway_config, scan_keys
 from tests.support.harness import metric_value
 
