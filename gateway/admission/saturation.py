@@ -22,7 +22,7 @@ metrics outage into 500s for everyone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.config import AdmissionConfig
 from gateway.fleet.endpoint import Endpoint
@@ -32,6 +32,10 @@ __all__ = ["SaturationDetector"]
 
 class SaturationDetector:
     def __init__(self, config: AdmissionConfig) -> None:
+        # Requests waiting in the gateway for one of the endpoint's pooled connections (the
+        # upstream client's count, wired by the app); they are in ``in_flight`` but the engine
+        # has not seen them, so they are queued, whatever its metrics say.
+        self.pool_waiting: Callable[[Endpoint], int] = lambda endpoint: 0
         self.reconfigure(config)
 
     def reconfigure(self, config: AdmissionConfig) -> None:
@@ -52,16 +56,19 @@ class SaturationDetector:
         return endpoint.max_num_seqs or endpoint.learned_capacity or None
 
     def estimated_waiting(self, endpoint: Endpoint) -> float | None:
+        """The engine's queue now (see the module doc) plus the gateway's own pool queue to it."""
         metrics = endpoint.metrics
         if not metrics.fresh() or metrics.waiting is None or not math.isfinite(metrics.waiting):
             return None
+        pooled = self.pool_waiting(endpoint)
+        sent = endpoint.in_flight - pooled  # what reached the engine
         waiting = metrics.waiting
         if waiting > 0:
-            waiting += max(0, endpoint.in_flight - metrics.in_flight_at_scrape)
+            waiting += max(0, sent - metrics.in_flight_at_scrape)
         capacity = self.capacity(endpoint)
         if capacity is not None:
-            waiting = max(waiting, endpoint.in_flight - capacity)
-        return waiting
+            waiting = max(waiting, sent - capacity)
+        return waiting + pooled
 
     def estimated_kv_usage(self, endpoint: Endpoint) -> float | None:
         metrics = endpoint.metrics
@@ -78,6 +85,9 @@ class SaturationDetector:
         """True/False, or None when its metrics are stale (unknown)."""
         if self._endpoint_cap and endpoint.in_flight >= self._endpoint_cap:
             return True
+        pooled = self.pool_waiting(endpoint)
+        if pooled and pooled >= self._queue_threshold:
+            return True  # the gateway's own queue: known even while the engine's metrics are stale
         waiting = self.estimated_waiting(endpoint)
         if waiting is None:
             return None

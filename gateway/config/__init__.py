@@ -95,7 +95,13 @@ class TimeoutConfig(_Strict):
 
 class LimitConfig(_Strict):
     upstream_connections: int = Field(4096, ge=1, description="aiohttp connector limit, all endpoints")
-    upstream_connections_per_endpoint: int = Field(1024, ge=0, description="0 = unlimited")
+    # Per worker. Above the largest batch an engine runs (vLLM's default max_num_seqs is 1024 on
+    # >= 70 GiB GPUs, 256 below), so overload queues in the engine, which schedules by KV space and
+    # reports it as waiting; past the cap requests wait in the gateway's pool, exported as
+    # llm_gateway_endpoint_pool_waiting_requests and counted as queued by the saturation detector.
+    upstream_connections_per_endpoint: int = Field(
+        2048, ge=0, description="pooled connections per endpoint, per worker; 0 = unlimited"
+    )
     retries: int = Field(1, ge=0, le=5, description="re-sends before the first byte, never same endpoint")
 
 

@@ -315,6 +315,8 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         limit_per_endpoint=limits.upstream_connections_per_endpoint,
         ssl_context_for=lambda url: e.ssl_context if (e := state.registry.get(url)) is not None else None,
     )
+    state.plugin_context.saturation.pool_waiting = pool_waiting = lambda e: client.waiting(e.url)
+    state.metrics.watch_pool_waiting(pool_waiting)
     state.proxy = Proxy(
         client,
         proxy_settings(state.config),

@@ -42,6 +42,7 @@ class _EndpointStateCollector:
         self._endpoints = endpoints
         self._index_size = index_size
         self._index_capacity = index_capacity
+        self.pool_waiting: Callable[[Endpoint], int] | None = None  # wired with the upstream client
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
@@ -79,7 +80,15 @@ class _EndpointStateCollector:
             "Blocks the prefix index keeps per endpoint (engine KV size, shrunk by mispredictions)",
             labels=["endpoint"],
         )
+        pool_waiting = GaugeMetricFamily(
+            "llm_gateway_endpoint_pool_waiting_requests",
+            "Requests waiting in the gateway for a pooled connection to each endpoint (all busy)",
+            labels=["endpoint"],
+        )
+        waiting_for = self.pool_waiting
         for endpoint in self._endpoints():
+            if waiting_for is not None:
+                pool_waiting.add_metric([endpoint.name], waiting_for(endpoint))
             in_flight.add_metric([endpoint.name], endpoint.in_flight)
             tokens.add_metric([endpoint.name], endpoint.in_flight_tokens)
             pending.add_metric([endpoint.name], endpoint.pending_prefill_tokens)
@@ -88,13 +97,15 @@ class _EndpointStateCollector:
             index.add_metric([endpoint.name], self._index_size(endpoint))
             if self._index_capacity is not None:
                 capacity.add_metric([endpoint.name], self._index_capacity(endpoint))
-        yield from (in_flight, tokens, pending, ejected, draining, index, capacity)
+        yield from (in_flight, tokens, pending, ejected, draining, index, capacity, pool_waiting)
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._endpoint_state: _EndpointStateCollector | None = None
+        self._pool_waiting: Callable[[Endpoint], int] | None = None
         r = self.registry
         self.requests = Counter(
             "llm_gateway_requests",
@@ -415,4 +426,12 @@ class GatewayMetrics:
         index_size: Callable[[Endpoint], int],
         index_capacity: Callable[[Endpoint], int] | None = None,
     ) -> None:
-        self.registry.register(_EndpointStateCollector(endpoints, index_size, index_capacity))
+        self._endpoint_state = _EndpointStateCollector(endpoints, index_size, index_capacity)
+        self._endpoint_state.pool_waiting = self._pool_waiting
+        self.registry.register(self._endpoint_state)
+
+    def watch_pool_waiting(self, waiting: Callable[[Endpoint], int]) -> None:
+        """Export the upstream client's per-endpoint pool queue, read at scrape time."""
+        self._pool_waiting = waiting
+        if self._endpoint_state is not None:
+            self._endpoint_state.pool_waiting = waiting

@@ -204,6 +204,7 @@ class _Pool:
         self._idle: deque[_Connection] = deque()
         self._open: set[_Connection] = set()
         self.slots = asyncio.Semaphore(limit) if limit else None  # requests in progress
+        self.waiting = 0  # requests waiting for a slot: the gateway-side queue to this endpoint
         self.retired = False  # the endpoint left the fleet: connections close once their request ends
 
     def take_idle(self) -> _Connection | None:
@@ -338,7 +339,14 @@ class UpstreamClient:
         request = b"".join(head) + body
         slot = pool.slots
         if slot is not None:
-            await slot.acquire()  # held until the response is released or closed
+            if slot.locked():  # every connection busy: this request queues in the gateway
+                pool.waiting += 1
+                try:
+                    await slot.acquire()  # held until the response is released or closed
+                finally:
+                    pool.waiting -= 1
+            else:
+                await slot.acquire()
         if on_slot is not None:
             on_slot()
         try:
@@ -370,6 +378,11 @@ class UpstreamClient:
             pool.retire()
         for key in [k for k in self._prefixes if k[0] == base_url]:
             del self._prefixes[key]
+
+    def waiting(self, base_url: str) -> int:
+        """Requests waiting for one of the endpoint's pooled connections (all of them busy)."""
+        pool = self._pools.get(base_url)
+        return pool.waiting if pool is not None else 0
 
     def has_pool(self, base_url: str) -> bool:
         return base_url in self._pools
