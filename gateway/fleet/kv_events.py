@@ -6,7 +6,8 @@ publisher binds). Frames are decoded in batches of up to ``_DRAIN`` messages bet
 yields, so a burst never holds the event loop, and fed to a :class:`KVEventSink`.
 
 Sequence numbers keep the state exact: a gap is filled from the replay endpoint (a
-DEALER sends ``[b"", start_seq]``, the ROUTER answers each buffered message, then seq
+DEALER sends ``[b"", start_seq]``, the ROUTER answers each buffered message as
+``[b"", topic, seq, payload]`` — vLLM 0.32; older ones leave the topic out — then seq
 -1); what the replay cannot give back any more, or a stream without replay, drops the
 endpoint's state (never keep a block whose removal may have been missed). Every
 (re)connection drops the state and replays from 0: a restarted engine starts at seq 0
@@ -66,9 +67,11 @@ def _on_host(address: str | None, host: str) -> str | None:
 
 
 def source_from(raw: Any, host: str) -> KVEventSource | None:
-    """A vLLM KVEventsConfig (or a list of them, one per DP rank: the first) → a source."""
+    """A vLLM KVEventsConfig, or several keyed by DP rank (vLLM 0.32) or listed: the first rank's."""
     if isinstance(raw, dict) and isinstance(raw.get("sources", raw.get("data")), list):
         raw = raw.get("sources", raw.get("data"))
+    if isinstance(raw, dict) and raw and all(isinstance(k, str) and k.isdigit() for k in raw):
+        raw = raw[min(raw, key=int)]  # vLLM 0.32: {"<dp rank>": KVEventsConfig, ...}
     if isinstance(raw, list):
         raw = raw[0] if raw else None
     if isinstance(raw, KVEventSourceConfig):
@@ -286,7 +289,7 @@ class _Stream:
                 return
         self._apply(seq, batch)
 
-    def _apply(self, seq: int, batch: tuple[float, list[Any], list[str]]) -> None:
+    def _apply(self, seq: int, batch: tuple[float, list[Any], list[str]], *, replayed: bool = False) -> None:
         ts, events, errors = batch
         for error in errors:
             self._malformed(error)
@@ -299,10 +302,12 @@ class _Stream:
                 known.append(event)
         self.sink.apply(self.name, known, ts)
         self.metrics.applied.labels(self.name).inc(len(known))
+        self.expected = seq + 1
+        if replayed:
+            return  # old by nature: a replay brings the state up to date, it says nothing of lag
         lag = max(0.0, time.time() - ts)
         self.metrics.lag.labels(self.name).set(lag)
         fresh = lag <= self.config.stale_after_s
-        self.expected = seq + 1
         if fresh != self.fresh:
             self.fresh = fresh
             self._set_live(True)
@@ -325,7 +330,7 @@ class _Stream:
                 continue
             if seq > self.expected and lost_reason is not None:
                 self._reset(lost_reason, seq)  # the buffer no longer reaches back far enough
-            self._apply(seq, batch)
+            self._apply(seq, batch, replayed=True)
         if until is not None and self.expected is not None and self.expected < until:
             self._reset(lost_reason or "gap", until)
         self.metrics.replays.labels(self.name, "ok").inc()
@@ -350,13 +355,13 @@ class _Stream:
             async with asyncio.timeout(self.config.replay_timeout_s):
                 while True:
                     frames = await dealer.recv_multipart()
-                    if len(frames) != 3:
-                        self._malformed(f"replay: {len(frames)} frames, not 3")
+                    if len(frames) not in (3, 4):
+                        self._malformed(f"replay: {len(frames)} frames, not 3 or 4")
                         continue
-                    seq = decode_seq(frames[1])
+                    seq = decode_seq(frames[-2])
                     if seq == -1:
                         return out
-                    out.append((seq, frames[2]))
+                    out.append((seq, frames[-1]))
         except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
             self.metrics.replays.labels(self.name, "failed").inc()
             log.warning("kv events: replay from %s failed: %s", address, exc or "timeout")

@@ -124,10 +124,32 @@ class ReplicaOptions:
     max_model_len: int = 2048
     dtype: str = "bfloat16"
     enforce_eager: bool = False
+    # KV events: ZMQ PUB (tcp://*:port, see kv_events_config) + replay ROUTER (127.0.0.1), own ports
+    kv_events: bool = False
+    kv_topic: str = "kv"
     extra_args: tuple[str, ...] = ()
 
 
-def _argv(model_dir: Path, port: int, options: ReplicaOptions) -> list[str]:
+def kv_events_config(pub_port: int, replay_port: int, topic: str = "kv") -> str:
+    """vLLM's ``--kv-events-config`` for a ZMQ publisher on ``pub_port`` with replay on ``replay_port``.
+
+    The PUB address must be a wildcard: vLLM 0.32 *binds* ``tcp://*:PORT`` but *connects*
+    to an address with a host (``tcp://127.0.0.1:PORT``), where no subscriber listens. The
+    replay ROUTER always binds, so it stays on loopback."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+            "topic": topic,
+        }
+    )
+
+
+def _argv(
+    model_dir: Path, port: int, options: ReplicaOptions, kv_ports: tuple[int, int] | None = None
+) -> list[str]:
     argv = [
         str(_python()), str(HERE / "launcher.py"), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port),
@@ -141,6 +163,8 @@ def _argv(model_dir: Path, port: int, options: ReplicaOptions) -> list[str]:
         argv += ["--num-gpu-blocks-override", str(options.num_blocks)]
     if options.enforce_eager:
         argv.append("--enforce-eager")
+    if kv_ports is not None:
+        argv += ["--kv-events-config", kv_events_config(*kv_ports, options.kv_topic)]
     return [*argv, *options.extra_args]
 
 
@@ -154,6 +178,7 @@ class Replica:
     started_at: float
     ready_s: float | None = None
     terminated: bool = False
+    kv_ports: tuple[int, int] | None = None  # (PUB, replay ROUTER) with options.kv_events
 
     @property
     def name(self) -> str:
@@ -240,16 +265,29 @@ def _healthy(url: str) -> bool:
 
 
 def start_replica(
-    index: int, port: int, options: ReplicaOptions, *, log_dir: Path, cache_root: Path | None = None
+    index: int,
+    port: int,
+    options: ReplicaOptions,
+    *,
+    log_dir: Path,
+    cache_root: Path | None = None,
+    kv_ports: tuple[int, int] | None = None,
 ) -> Replica:
-    """Spawn one replica (not yet waited for). Its compile cache persists under the venv by default."""
+    """Spawn one replica (not yet waited for). Its compile cache persists under the venv by default.
+
+    With ``options.kv_events`` it publishes KV events on ``kv_ports`` (two free ports if None)."""
     model_dir = ensure_model()
+    if options.kv_events and kv_ports is None:
+        pub, replay = free_ports(2)
+        kv_ports = (pub, replay)
+    if not options.kv_events:
+        kv_ports = None
     cache = (cache_root or venv_dir() / "cache") / f"replica-{index}"
     cache.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{index}-{port}.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            _argv(model_dir, port, options),
+            _argv(model_dir, port, options, kv_ports),
             cwd=REPO_ROOT,
             env=offline_env(cache),
             stdin=subprocess.DEVNULL,
@@ -257,14 +295,19 @@ def start_replica(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Replica(index, port, options, process, log_path, time.monotonic())
+    return Replica(index, port, options, process, log_path, time.monotonic(), kv_ports=kv_ports)
 
 
 def restart_replica(replica: Replica, timeout_s: float = 240.0, cache_root: Path | None = None) -> Replica:
     """Stop ``replica`` if it still runs, then start it again on its port (its compile cache is warm)."""
     replica.stop()
     fresh = start_replica(
-        replica.index, replica.port, replica.options, log_dir=replica.log_path.parent, cache_root=cache_root
+        replica.index,
+        replica.port,
+        replica.options,
+        log_dir=replica.log_path.parent,
+        cache_root=cache_root,
+        kv_ports=replica.kv_ports,
     )
     try:
         wait_ready([fresh], timeout_s)
@@ -307,8 +350,12 @@ def start_replicas(
     directory.mkdir(parents=True, exist_ok=True)
     replicas: list[Replica] = []
     try:
-        for index, port in enumerate(free_ports(count)):
-            replicas.append(start_replica(index, port, options, log_dir=directory, cache_root=cache_root))
+        ports = free_ports(count * 3 if options.kv_events else count)  # held together: all distinct
+        for index, port in enumerate(ports[:count]):
+            kv = (ports[count + 2 * index], ports[count + 2 * index + 1]) if options.kv_events else None
+            replicas.append(
+                start_replica(index, port, options, log_dir=directory, cache_root=cache_root, kv_ports=kv)
+            )
         wait_ready(replicas, timeout_s)
     except BaseException:
         stop_replicas(replicas)
@@ -325,9 +372,13 @@ def stop_replicas(replicas: Sequence[Replica]) -> None:
 
 @contextlib.contextmanager
 def running_fleet(
-    count: int, options: ReplicaOptions = ReplicaOptions(), *, log_dir: Path | None = None
+    count: int,
+    options: ReplicaOptions = ReplicaOptions(),
+    *,
+    log_dir: Path | None = None,
+    timeout_s: float = 240.0,
 ) -> Iterator[list[Replica]]:
-    replicas = start_replicas(count, options, log_dir=log_dir)
+    replicas = start_replicas(count, options, log_dir=log_dir, timeout_s=timeout_s)
     try:
         yield replicas
     finally:
@@ -339,12 +390,14 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    options = ReplicaOptions(num_blocks=args.num_blocks)
-    with running_fleet(args.replicas, options) as replicas:
+    options = ReplicaOptions(num_blocks=args.num_blocks, kv_events=args.kv_events, enforce_eager=args.eager)
+    with running_fleet(args.replicas, options, timeout_s=args.timeout) as replicas:
         for r in replicas:
             rss = r.rss_bytes() / 2**30
             print(f"{r.name} {r.url} pid={r.pid} ready_in={r.ready_s:.1f}s rss={rss:.2f}GiB")
             print(f"  log: {r.log_path}")
+            if r.kv_ports:
+                print(f"  kv events: tcp://127.0.0.1:{r.kv_ports[0]} replay tcp://127.0.0.1:{r.kv_ports[1]}")
         print("Ctrl-C or SIGTERM stops them.", flush=True)
         with contextlib.suppress(SystemExit):
             while all(r.alive() for r in replicas):
@@ -356,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.realvllm.fleet", description=__doc__)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=None, help="--num-gpu-blocks-override per replica")
+    parser.add_argument("--kv-events", action="store_true", help="publish KV events (ZMQ) on two ports each")
+    parser.add_argument("--eager", action="store_true", help="--enforce-eager: no compilation at start-up")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for the replicas to be healthy")
     args = parser.parse_args(argv)
     install_signal_exits()
     return _serve(args)

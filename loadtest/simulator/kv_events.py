@@ -6,14 +6,17 @@ step that changed the prefix cache, three frames ``[topic, seq, payload]`` — `
 ``[ts, events, data_parallel_rank]`` whose events are maps tagged ``type``:
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
-     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
-    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+     "extra_keys": [None, ...], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU", "group_idx": 0}
     {"type": "AllBlocksCleared"}
 
 A ROUTER socket serves replays: a DEALER sends ``[b"", start_seq]`` and gets every
-buffered message from ``start_seq`` on as ``[b"", seq, payload]``, then ``[b"", -1, b""]``.
-``sources()`` is what ``GET /kv_event_sources`` answers: the publisher config, endpoints
-written as vLLM's ``--kv-events-config`` has them (``tcp://*:PORT``).
+buffered message from ``start_seq`` on as ``[b"", topic, seq, payload]``, then
+``[b"", b"", -1, b""]`` (vLLM 0.32's layout, checked against captured frames by
+``tests/loadtest/test_kv_events_parity.py``).
+``sources()`` is what ``GET /kv_event_sources`` answers under the publisher's DP rank: its
+config, endpoints written as vLLM's ``--kv-events-config`` has them (``tcp://*:PORT``).
 
 Fault hooks for tests: ``skip(n)`` buffers the next n messages without sending them (a
 sequence gap the subscriber must replay), ``send_raw`` sends arbitrary frames, ``inject``
@@ -61,6 +64,7 @@ def wire_events(recorded: Sequence[tuple[Any, ...]], block_size: int) -> list[di
             ):
                 last["block_hashes"].append(block_hash)
                 last["token_ids"].extend(tokens)
+                last["extra_keys"].append(None)
                 continue
             out.append(
                 {
@@ -72,13 +76,18 @@ def wire_events(recorded: Sequence[tuple[Any, ...]], block_size: int) -> list[di
                     "lora_id": None,
                     "medium": MEDIUM_GPU,
                     "lora_name": None,
+                    "extra_keys": [None],  # one per block
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention",
                 }
             )
         elif kind == "removed":
             if last is not None and last["type"] == "BlockRemoved":
                 last["block_hashes"].append(item[1])
                 continue
-            out.append({"type": "BlockRemoved", "block_hashes": [item[1]], "medium": MEDIUM_GPU})
+            out.append(
+                {"type": "BlockRemoved", "block_hashes": [item[1]], "medium": MEDIUM_GPU, "group_idx": 0}
+            )
         elif kind == "cleared":
             out.append({"type": "AllBlocksCleared"})
     return out
@@ -101,7 +110,7 @@ class KVEventPublisher:
         self._want_ports = (port, replay_port)
         self.topic = topic
         self.buffer_steps = buffer_steps
-        self._rank = data_parallel_rank
+        self._rank = self.data_parallel_rank = data_parallel_rank
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx: zmq.asyncio.Context | None = None
@@ -145,7 +154,6 @@ class KVEventPublisher:
             "hwm": 100_000,
             "max_queue_size": 100_000,
             "topic": self.topic,
-            "data_parallel_rank": self._rank,
         }
 
     # -- publishing (called by the engine after each step) --------------------------------
@@ -196,10 +204,11 @@ class KVEventPublisher:
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.replays_served += 1
+            topic = self.topic.encode()
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([identity, b"", END_SEQ, b""])
+                    await router.send_multipart([identity, b"", topic, seq.to_bytes(8, "big"), payload])
+            await router.send_multipart([identity, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
         task, self._task = self._task, None

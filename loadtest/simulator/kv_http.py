@@ -1,7 +1,8 @@
 """The simulator's KV-event and tokenizer routes, as vLLM 0.32 serves them.
 
-- ``GET /kv_event_sources``: the KV-event publisher's config (``enable_kv_cache_events``
-  false when the simulator runs without ``--kv-events``);
+- ``GET /kv_event_sources``: the KV-event publisher's config keyed by its DP rank, as vLLM
+  0.32 answers (``{"0": {...}}``; ``enable_kv_cache_events`` false when the simulator runs
+  without ``--kv-events``);
 - ``POST /tokenize``: ``{"model", "messages", "add_generation_prompt"?}`` or ``{"model",
   "prompt"}`` → ``{"count", "max_model_len", "tokens", "token_strs"}``, with the simulator's
   own tokenizer and chat template, so the tokens are exactly the ones its KV cache holds;
@@ -34,7 +35,7 @@ class KVHandlers:
         publisher = self.kv_publisher
         if publisher is None:
             return web.json_response({"enable_kv_cache_events": False})
-        return web.json_response(publisher.sources())
+        return web.json_response({str(publisher.data_parallel_rank): publisher.sources()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:

@@ -26,9 +26,11 @@ ENABLED = os.environ.get("LLMGW_E2E_VLLM") == "1"
 HERE = Path(__file__).resolve().parent
 NUM_BLOCKS = 128
 BLOCK_SIZE = 32
-OPTIONS = ReplicaOptions(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+# KV events on (ZMQ, two ports per replica): the exact prefix index follows the real engines.
+OPTIONS = ReplicaOptions(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_events=True)
 # Per test, including the first one's share of the fleet start-up (and a first-time install).
 TIMEOUT_S = 480
+START_TIMEOUT_S = 420  # two compiling engines on two shared cores can take minutes
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,7 +63,8 @@ class Fleet:
 def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if not ENABLED:  # belt and braces: the hook above already skipped the tests
         pytest.fail("LLMGW_E2E_VLLM=1 is not set")
-    fleet = Fleet(start_replicas(2, OPTIONS, log_dir=tmp_path_factory.mktemp("vllm-logs")))
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    fleet = Fleet(start_replicas(2, OPTIONS, log_dir=logs, timeout_s=START_TIMEOUT_S))
     for r in fleet.replicas:
         print(f"\n{r.name} {r.url} ready in {r.ready_s:.1f}s, RSS {r.rss_bytes() / 2**30:.2f} GiB")
     try:
