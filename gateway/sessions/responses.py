@@ -16,13 +16,10 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import redis.asyncio as aioredis
-
-from gateway.redis_guard import RedisGuard
+from gateway.sessions.redis_mirror import MirroredStore
 
 __all__ = [
     "MemoryResponseStore",
@@ -88,31 +85,15 @@ class MemoryResponseStore:
         self._entries.clear()
 
 
-class RedisResponseStore:
-    """Keys ``<prefix>:response:{<id>}`` → ``{"e": endpoint, "c": chain}`` with ``PX ttl``."""
+class RedisResponseStore(MirroredStore[MemoryResponseStore]):
+    """Keys ``<prefix>:response:{<id>}`` → ``{"e": endpoint, "c": chain}`` with ``PX ttl`` (the
+    Redis side is :class:`~gateway.sessions.redis_mirror.RedisMirror`, shared with the session
+    store)."""
 
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        local: MemoryResponseStore,
-        *,
-        key_prefix: str = "llmgw",
-        budget_s: float = 0.005,
-        retry_after_s: float = 1.0,
-        on_fallback: Callable[[str], None] | None = None,
-    ) -> None:
-        self._client = client
-        self.local = local
-        self._prefix = key_prefix
-        self._guard = RedisGuard(
-            "response store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
-        )
-
-    def _key(self, response_id: str) -> str:
-        return f"{self._prefix}:response:{{{response_id}}}"
+    kind = "response"
 
     async def get(self, response_id: str) -> ResponseRecord | None:
-        value = await self._guard.call(self._client.get(self._key(response_id)))
+        value = await self._redis.get(response_id)
         if value is None:  # Redis down, or our own SET still in flight: the local copy is true
             return self.local.get_now(response_id)
         try:
@@ -123,19 +104,11 @@ class RedisResponseStore:
 
     def put(self, response_id: str, record: ResponseRecord) -> None:
         self.local.put(response_id, record)
-        value = json.dumps({"e": record.endpoint, "c": record.chain})
-        self._guard.spawn(self._client.set(self._key(response_id), value, px=int(self.local.ttl_s * 1000)))
+        self._redis.set(response_id, json.dumps({"e": record.endpoint, "c": record.chain}))
 
     def forget(self, response_id: str) -> None:
         self.local.forget(response_id)
-        self._guard.spawn(self._client.delete(self._key(response_id)))
-
-    async def flush(self) -> None:
-        await self._guard.flush()
-
-    async def close(self) -> None:
-        await self.flush()
-        await self._client.aclose()
+        self._redis.delete(response_id)
 
 
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,256})"')

@@ -21,9 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-import redis.asyncio as aioredis
-
-from gateway.redis_guard import RedisGuard
+from gateway.sessions.redis_mirror import MirroredStore
 
 __all__ = ["MemorySessionStore", "RedisSessionStore", "SessionStore", "SessionTokens", "rendezvous_pick"]
 
@@ -114,31 +112,15 @@ class MemorySessionStore:
         self._pins.clear()
 
 
-class RedisSessionStore:
-    """Keys ``<prefix>:session:{<id>}`` → endpoint name, with ``PX ttl`` refreshed on every pin."""
+class RedisSessionStore(MirroredStore[MemorySessionStore]):
+    """Keys ``<prefix>:session:{<id>}`` → endpoint name, with ``PX ttl`` refreshed on every pin
+    (the Redis side is :class:`~gateway.sessions.redis_mirror.RedisMirror`, shared with the
+    response store)."""
 
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        local: MemorySessionStore,
-        *,
-        key_prefix: str = "llmgw",
-        budget_s: float = 0.005,
-        retry_after_s: float = 1.0,
-        on_fallback: Callable[[str], None] | None = None,
-    ) -> None:
-        self._client = client
-        self.local = local
-        self._prefix = key_prefix
-        self._guard = RedisGuard(
-            "session store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
-        )
-
-    def _key(self, session_id: str) -> str:
-        return f"{self._prefix}:session:{{{session_id}}}"
+    kind = "session"
 
     async def get(self, session_id: str) -> str | None:
-        value = await self._guard.call(self._client.get(self._key(session_id)))
+        value = await self._redis.get(session_id)
         if value is None:
             # Redis down, or it does not know a pin this instance just made (its SET may
             # still be in flight) or made while Redis was down: the local pin is still true.
@@ -147,18 +129,10 @@ class RedisSessionStore:
 
     def pin(self, session_id: str, endpoint: str) -> None:
         self.local.pin(session_id, endpoint)
-        ttl_ms = int(self.local.ttl_s * 1000)
-        self._guard.spawn(self._client.set(self._key(session_id), endpoint, px=ttl_ms))
+        self._redis.set(session_id, endpoint)
 
     def active(self) -> int:
         return self.local.active()
-
-    async def flush(self) -> None:
-        await self._guard.flush()
-
-    async def close(self) -> None:
-        await self.flush()
-        await self._client.aclose()
 
 
 class SessionTokens:
