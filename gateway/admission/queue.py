@@ -298,6 +298,9 @@ def _next_waiter(queue: deque[_Waiter], now: float) -> _Waiter | None:
 
 def rewrite_body(request: InferenceRequest) -> None:
     """Re-serialise ``request.body`` after the gateway changed it (the proxy sends ``raw_body``)."""
+    if request.form is not None:  # multipart (audio): the same parts, the changed fields
+        request.raw_body = request.form.encode(request.body)
+        return
     request.raw_body = json.dumps(request.body, separators=(",", ":")).encode()
 
 

@@ -16,8 +16,9 @@ from gateway.http.middleware import REQUEST_ID
 from gateway.http.openapi import serve_openapi
 from gateway.http.responses import add_response_routes, stored_replica
 from gateway.http.state import STATE, GatewayState
+from gateway.request.multipart import parse_form
 from gateway.request.parse import parse_request
-from gateway.request.types import ApiKind, InferenceRequest, RouteTrace
+from gateway.request.types import FORM_APIS, ApiKind, InferenceRequest, RouteTrace
 
 __all__ = ["add_routes"]
 
@@ -36,14 +37,17 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
         default_model = None
         if api in _MODEL_OPTIONAL and len(models := state.registry.healthy_models()) == 1:
             default_model = models[0]
+        raw = await http_request.read()
+        form = parse_form(raw, http_request.headers.get("content-type", "")) if api in FORM_APIS else None
         request = parse_request(
             api,
-            await http_request.read(),
+            raw,
             request_id=http_request[REQUEST_ID],
             headers=http_request.headers,
             options=state.parse_options,
             default_model=default_model,
             path=path,
+            form=form,
         )
         http_request[INFERENCE_REQUEST] = request
         limit_headers: dict[str, str] = {}
@@ -156,6 +160,8 @@ _ENGINE_ROUTES = {
     "/pooling": ApiKind.POOLING,
     "/tokenize": ApiKind.TOKENIZE,
     "/detokenize": ApiKind.DETOKENIZE,
+    "/v1/audio/transcriptions": ApiKind.TRANSCRIPTIONS,  # multipart/form-data
+    "/v1/audio/translations": ApiKind.TRANSLATIONS,
 }
 
 

@@ -244,7 +244,9 @@ class Proxy:
     async def _open(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
     ) -> UpstreamResponse:
-        headers = {"content-type": "application/json", "x-request-id": request.request_id}
+        form = request.form
+        content_type = "application/json" if form is None else form.content_type
+        headers = {"content-type": content_type, "x-request-id": request.request_id}
         if endpoint.auth_header is not None:
             headers["authorization"] = endpoint.auth_header
         wait = None

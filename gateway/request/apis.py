@@ -18,7 +18,7 @@ from typing import Any
 from gateway.errors import BadRequest
 from gateway.request.guards import refused_number_text
 from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
-from gateway.request.types import ApiKind
+from gateway.request.types import FORM_APIS, ApiKind
 
 __all__ = ["api_prompt"]
 
@@ -185,4 +185,7 @@ def api_prompt(api: ApiKind, body: dict[str, Any]) -> str:
         return _messages_prompt(body, needs_max_tokens=True)
     if api is ApiKind.COUNT_TOKENS:
         return _messages_prompt(body, needs_max_tokens=False)
+    if api in FORM_APIS:  # the audio is no prompt text; the optional text prompt is
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else ""
     return _pooling_prompt(api, body)

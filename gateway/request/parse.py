@@ -19,6 +19,7 @@ from gateway.errors import BadRequest
 from gateway.request.apis import api_prompt
 from gateway.request.fields import check_fields
 from gateway.request.guards import load_object
+from gateway.request.multipart import Form
 from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
 from gateway.request.slo import SloOptions, parse_slo
 from gateway.request.types import CHARS_PER_TOKEN, ApiKind, InferenceRequest, Priority
@@ -117,10 +118,15 @@ def parse_request(
     options: ParseOptions = DEFAULT_OPTIONS,
     default_model: str | None = None,
     path: str | None = None,
+    form: Form | None = None,
 ) -> InferenceRequest:
     """``default_model``: the model of a body without one (tokenize: vLLM serves its only
-    model); ``path``: the upstream path when it is not the API's own (``/rerank``)."""
-    body, numbers = load_object(raw_body, options.max_json_depth)
+    model); ``path``: the upstream path when it is not the API's own (``/rerank``); ``form``:
+    a multipart body's parts (audio), whose text fields stand for the JSON body."""
+    if form is None:
+        body, numbers = load_object(raw_body, options.max_json_depth)
+    else:
+        body, numbers = form.fields(), None
     model = body.get("model")
     if model is None and default_model is not None:
         model = default_model
@@ -154,7 +160,8 @@ def parse_request(
         raise BadRequest(
             f"header {priority_header}: {name!r} is not one of {_PRIORITY_NAMES}", param=priority_header
         ) from None
-    numbers.check_all()
+    if numbers is not None:
+        numbers.check_all()
     return InferenceRequest(
         request_id=request_id,
         api=api,
@@ -171,4 +178,5 @@ def parse_request(
         headers=headers,
         path=path,
         slo=parse_slo(headers, priority, options.slo),
+        form=form,
     )

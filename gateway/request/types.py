@@ -17,11 +17,13 @@ if TYPE_CHECKING:  # slot types owned by the stages that write them
     from gateway.admission.latency_model import LatencySample
     from gateway.prefix.cache import PrefixState
     from gateway.proxy.pd import PDState
+    from gateway.request.multipart import Form
     from gateway.scheduling.result import PDDecision
     from gateway.sessions.affinity import SessionPin
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "FORM_APIS",
     "ApiKind",
     "InferenceRequest",
     "Priority",
@@ -65,6 +67,8 @@ class ApiKind(StrEnum):
     POOLING = "pooling"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    TRANSCRIPTIONS = "transcriptions"  # multipart/form-data: the audio file, model as a form field
+    TRANSLATIONS = "translations"
 
     @property
     def upstream_path(self) -> str:
@@ -89,8 +93,13 @@ _UPSTREAM_PATHS = {
     ApiKind.POOLING: "/pooling",
     ApiKind.TOKENIZE: "/tokenize",
     ApiKind.DETOKENIZE: "/detokenize",
+    ApiKind.TRANSCRIPTIONS: "/v1/audio/transcriptions",
+    ApiKind.TRANSLATIONS: "/v1/audio/translations",
 }
-_STREAMING = frozenset({ApiKind.CHAT, ApiKind.COMPLETIONS, ApiKind.RESPONSES, ApiKind.MESSAGES})
+_STREAMING = frozenset(
+    {ApiKind.CHAT, ApiKind.COMPLETIONS, ApiKind.RESPONSES, ApiKind.MESSAGES, ApiKind.TRANSCRIPTIONS}
+)
+FORM_APIS = frozenset({ApiKind.TRANSCRIPTIONS, ApiKind.TRANSLATIONS})  # multipart/form-data bodies
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +169,7 @@ class InferenceRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     slo: Slo | None = None  # parse: latency objectives and the first token's deadline
     path: str | None = None  # the upstream path when the route's differs from the API's (/rerank)
+    form: Form | None = None  # multipart bodies (audio): their parts; ``body`` holds the text fields
     context: RequestContext = field(default_factory=RequestContext)
 
     @property

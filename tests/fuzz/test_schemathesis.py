@@ -91,7 +91,7 @@ def test_generated_requests_conform(live, client, schema, mode):
     """Generated requests, schema-valid or not: never a 5xx, and every answer as documented."""
     statuses: Counter[tuple[str, int]] = Counter()
 
-    @settings(FUZZ, max_examples=240)  # enough for every operation to be drawn
+    @settings(FUZZ, max_examples=400)  # enough for every operation to be drawn
     @given(case=schema.exclude(path_regex="^/admin/").as_strategy(mode))
     def run(case: schemathesis.Case) -> None:
         response = case.call(base_url=live.url, timeout=10)

@@ -65,6 +65,8 @@ ENGINE_PATHS = (
     "/detokenize",
 )
 
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")  # multipart/form-data
+
 
 @dataclass
 class Received:
@@ -102,7 +104,8 @@ class Upstream:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", *ENGINE_PATHS):
+        openai_paths = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+        for path in (*openai_paths, *ENGINE_PATHS, *AUDIO_PATHS):
             app.router.add_post(path, self._inference)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -151,6 +154,9 @@ class Upstream:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
+        if request.path in AUDIO_PATHS:  # multipart: the test reads the form from ``requests``
+            usage = {"type": "duration", "seconds": 1}
+            return web.json_response({"text": "hello from the upstream", "usage": usage})
         body = json.loads(raw)
         model = body.get("model", "")
         if request.path == "/v1/embeddings":

@@ -79,8 +79,9 @@ def _anthropic_errors() -> dict[str, Schema]:
     errors = {}
     for status, response in INFERENCE_ERRORS.items():
         content = json_content(ref("AnthropicError"))
-        if status == "400":
-            content.update(HTTP_PARSER_400["content"])
+        if status == "400":  # the HTTP parser's refusal comes before the route is known: OpenAI's shape
+            either = json_content({"anyOf": [ref("AnthropicError"), ref("Error")]})
+            content = {**either, **HTTP_PARSER_400["content"]}
         errors[status] = {**response, "content": content}
     return errors
 
@@ -157,7 +158,29 @@ def engine_paths() -> dict[str, Schema]:
         operation = _operation(f"{path}: {pooling}", request, streams=False)
         operation["post"]["operationId"] = "post" + path.replace("/", "_")
         paths[path] = operation
+    form_field = "multipart/form-data; `model` is a form field"
+    for path, request, summary in (
+        ("/v1/audio/transcriptions", "TranscriptionRequest", "Speech to text"),
+        ("/v1/audio/translations", "TranslationRequest", "Speech to English text"),
+    ):
+        streams = request == "TranscriptionRequest"  # stream=true: SSE
+        operation = _operation(f"{summary} ({form_field})", request, streams=streams)
+        operation["post"]["requestBody"]["content"] = {"multipart/form-data": {"schema": ref(request)}}
+        paths[path] = operation
     return paths
+
+
+def _audio_form(description: str) -> Schema:
+    fields: dict[str, Any] = {
+        "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {"type": "string"},
+        "response_format": {"type": "string", "enum": ["json", "text", "srt", "verbose_json", "vtt"]},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    }
+    if description.startswith("Transcription"):
+        fields |= {"language": {"type": "string"}, "stream": {"type": "boolean"}}
+    return {"type": "object", "description": description, "required": ["file", "model"], "properties": fields}
 
 
 def _optional_model(schema: Schema) -> Schema:
@@ -190,6 +213,8 @@ def engine_components() -> dict[str, Any]:
             {"messages": {"type": "array", "minItems": 1, "items": _ANTHROPIC_MESSAGE}},
             "Anthropic count_tokens request.",
         ),
+        "TranscriptionRequest": _audio_form("Transcription request: the audio file and its form fields."),
+        "TranslationRequest": _audio_form("Translation request: the audio file and its form fields."),
         "RerankRequest": _request_schema(
             ApiKind.RERANK,
             {"query": {"type": "string"}, "documents": _TEXTS},

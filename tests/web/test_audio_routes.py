@@ -1,0 +1,105 @@
+"""/v1/audio/transcriptions and /translations: multipart/form-data with ``model`` as a form
+field, through the gateway with the official ``openai`` SDK, to controllable upstreams."""
+
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+
+from gateway.request.multipart import parse_form
+
+AUDIO = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256)) * 4  # opaque bytes: passed on as they came
+
+
+def _form(received):
+    return parse_form(received.raw, received.headers["content-type"])
+
+
+async def test_transcription_and_translation_reach_a_replica_of_the_form_model(
+    start_upstream, start_gateway, openai_client
+):
+    whisper, other = await start_upstream(models=("whisper",)), await start_upstream(models=("other",))
+    gw = await start_gateway([whisper.url, other.url], policy="round-robin")
+    client = openai_client(gw)
+    raw = await client.audio.transcriptions.with_raw_response.create(
+        model="whisper", file=("clip.wav", io.BytesIO(AUDIO), "audio/wav"), language="en", prompt="names: Ada"
+    )
+    assert raw.headers["x-gateway-endpoint"] == whisper.name
+    assert raw.parse().text == "hello from the upstream"
+    translated = await client.audio.translations.create(
+        model="whisper", file=("clip.wav", AUDIO, "audio/wav")
+    )
+    assert translated.text == "hello from the upstream"
+    assert not other.requests
+    first, second = whisper.requests
+    assert (first.path, second.path) == ("/v1/audio/transcriptions", "/v1/audio/translations")
+    form = _form(first)
+    assert form.fields() == {"model": "whisper", "language": "en", "prompt": "names: Ada"}
+    assert [p.data for p in form.parts if p.is_file] == [AUDIO]  # the file byte for byte
+    assert first.headers["content-type"].startswith("multipart/form-data; boundary=")
+
+
+async def test_an_alias_rewrites_the_form_model(start_upstream, start_gateway, openai_client):
+    v2 = await start_upstream(models=("whisper-v2",))
+    gw = await start_gateway([v2.url], models={"whisper": "whisper-v2"})
+    raw = await openai_client(gw).audio.transcriptions.with_raw_response.create(
+        model="whisper", file=("clip.wav", AUDIO, "audio/wav"), temperature=0.2
+    )
+    assert raw.headers["x-gateway-model"] == "whisper-v2"
+    form = _form(v2.requests[-1])
+    assert form.fields() == {"model": "whisper-v2", "temperature": "0.2"}
+    assert [p.data for p in form.parts if p.is_file] == [AUDIO]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "message"),
+    [
+        ("application/json", b'{"model": "whisper"}', "multipart/form-data"),
+        ("multipart/form-data", b"--x\r\n", "boundary"),
+        ("multipart/form-data; boundary=x", b"--x\r\nnope", "closing boundary"),
+        (
+            "multipart/form-data; boundary=x",
+            b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nAAA\r\n--x--\r\n',
+            "'model' is required",
+        ),
+        (
+            "multipart/form-data; boundary=x",
+            b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
+            b'--x\r\nContent-Disposition: form-data; name="stream"\r\n\r\nmaybe\r\n--x--\r\n',
+            "'stream' must be true or false",
+        ),
+    ],
+)
+async def test_bad_forms_are_400_before_any_replica(
+    start_upstream, start_gateway, http, content_type, body, message
+):
+    whisper = await start_upstream(models=("whisper",))
+    gw = await start_gateway([whisper.url])
+    async with http.post(
+        gw.url + "/v1/audio/transcriptions", data=body, headers={"content-type": content_type}
+    ) as resp:
+        assert resp.status == 400
+        assert message in (await resp.json())["error"]["message"]
+    assert not whisper.requests
+
+
+async def test_an_unknown_form_model_is_a_404(start_upstream, start_gateway, openai_client):
+    whisper = await start_upstream(models=("whisper",))
+    gw = await start_gateway([whisper.url])
+    with pytest.raises(openai.NotFoundError):
+        await openai_client(gw).audio.transcriptions.create(model="nope", file=("a.wav", AUDIO, "audio/wav"))
+
+
+def test_form_encode_changes_fields_and_keeps_files():
+    raw = (
+        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nold\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        b"Content-Type: audio/wav\r\n\r\n" + AUDIO + b"\r\n--b--\r\n"
+    )
+    form = parse_form(raw, "multipart/form-data; boundary=b")
+    assert form.encode(form.fields()) == raw  # unchanged fields: the same bytes
+    again = parse_form(form.encode({"model": "new", "stream": True}), form.content_type)
+    assert again.fields() == {"model": "new", "stream": True}
+    assert [p.data for p in again.parts if p.is_file] == [AUDIO]
