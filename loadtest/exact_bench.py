@@ -32,9 +32,24 @@ from loadtest.harness.scrape import fetch_metrics
 MODEL = "sim-llama"
 ARMS = {
     "exact": ("prefix-aware", {"prefix": {"exact": "auto"}}),
+    # next turns matched on the previous turn's tokens, /tokenize in the background
+    "exact-reuse-turns": (
+        "prefix-aware",
+        {"prefix": {"exact": "auto", "kv_events": {"reuse_turn_tokens": True}}},
+    ),
     "approximate": ("prefix-aware", {"prefix": {"exact": "off"}}),
     "round-robin": ("round-robin", {"prefix": {"exact": "off"}}),
 }
+
+
+def metric_value(text: str, sample: str) -> float | None:
+    """The sum of the samples named ``sample`` in a Prometheus text page (None: not there)."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.split("{")[0].split(" ")[0] == sample
+    ]
+    return sum(values) if values else None
 
 
 @dataclass
@@ -75,6 +90,7 @@ class Result:
     ttft: float
     predicted: int
     cached: int
+    endpoint: str = ""
 
 
 async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[Result, str]:
@@ -89,6 +105,7 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
     ) as resp:
         resp.raise_for_status()
         predicted = int(resp.headers.get("x-gateway-predicted-cached-tokens", "0"))
+        endpoint = resp.headers.get("x-gateway-endpoint", "")
         async for line in resp.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -101,7 +118,7 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
                     ttft = ttft if ttft is not None else time.perf_counter() - started
                     text.append(piece)
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Result(ttft or 0.0, predicted, cached), "".join(text)
+    return Result(ttft or 0.0, predicted, cached, endpoint), "".join(text)
 
 
 async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -138,11 +155,12 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
                     results.append(result)
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            async with session.get(gateway.url + "/metrics") as resp:
+                gateway_metrics = await resp.text()
             if args.dump_metrics:
-                async with session.get(gateway.url + "/metrics") as resp:
-                    for line in (await resp.text()).splitlines():
-                        if any(k in line for k in args.dump_metrics.split(",")) and not line.startswith("#"):
-                            print(name, line)
+                for line in gateway_metrics.splitlines():
+                    if any(k in line for k in args.dump_metrics.split(",")) and not line.startswith("#"):
+                        print(name, line)
             hits = queries = 0.0
             for replica in replicas:
                 counters = await fetch_metrics(session, replica.url)
@@ -151,7 +169,15 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
     finally:
         await stop_all([gateway, *replicas])
     ttfts = sorted(r.ttft for r in results)
+    tokenize_s = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_sum") or 0.0
+    tokenize_n = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_count") or 0.0
+    shares = sorted(
+        (sum(1 for r in results if r.endpoint == e) for e in {r.endpoint for r in results}), reverse=True
+    )
     return {
+        "tokenize_ms": 1000 * tokenize_s / tokenize_n if tokenize_n else 0.0,
+        "tokenize_calls": int(tokenize_n),
+        "max_share": shares[0] / len(results) if shares else 0.0,
         "arm": name,
         "requests": len(results),
         "hit_ratio": hits / queries if queries else 0.0,
@@ -160,6 +186,16 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
         "mean_abs_error_tokens": statistics.fmean(abs(r.predicted - r.cached) for r in results),
         "exact_predictions": sum(1 for r in results if r.predicted == r.cached) / len(results),
     }
+
+
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per column, the median over the rounds (the arm's name and request count as they are)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rows)
+    out["requests"] = sum(r["requests"] for r in rows)
+    return out
 
 
 def main() -> None:
@@ -173,25 +209,32 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=700)
     parser.add_argument("--active", type=int, default=24, help="conversations open at once")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
     parser.add_argument("--dump-metrics", default="", help="print gateway metric lines containing these")
     args = parser.parse_args()
     fleet_tokens = args.replicas * args.kv_blocks * 16
     working_set = args.docs * (args.doc_tokens + 3) + args.active * 4 * 80
     ratio = working_set / fleet_tokens
     print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exact-bench-") as tmp:
-        for name in args.arms.split(","):
-            rows.append(asyncio.run(run_arm(name, args, Path(tmp))))
+        for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
+            for name in args.arms.split(","):
+                runs.setdefault(name, []).append(asyncio.run(run_arm(name, args, Path(tmp) / str(round_))))
+    rows = [_median(arm_runs) for arm_runs in runs.values()]
+    if args.rounds > 1:
+        print(f"medians over {args.rounds} interleaved rounds")
     print(
         "| arm | requests | engine hit ratio | TTFT p50 ms | TTFT p99 ms "
-        "| mean abs(pred − actual) tokens | exact predictions |"
+        "| mean abs(pred − actual) tokens | exact predictions | busiest replica's share "
+        "| /tokenize calls | mean /tokenize wait ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f} | {r['ttft_p50_ms']:.1f} | "
-            f"{r['ttft_p99_ms']:.1f} | {r['mean_abs_error_tokens']:.1f} | {r['exact_predictions']:.1%} |"
+            f"{r['ttft_p99_ms']:.1f} | {r['mean_abs_error_tokens']:.1f} | {r['exact_predictions']:.1%} | "
+            f"{r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} |"
         )
 
 

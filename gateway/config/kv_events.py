@@ -40,6 +40,12 @@ class ExactPrefixConfig(_Strict):
     )
     tokenize_timeout_s: float = Field(0.1, gt=0, description="the engine's /tokenize; slower: approximate")
     token_cache_entries: int = Field(4096, ge=0, description="prompts whose engine tokens are kept (LRU)")
+    reuse_turn_tokens: bool = Field(
+        False,
+        description="match a conversation's next turn on the previous turn's engine tokens (once the "
+        "model's template is seen to extend turns) and fetch its own in the background: no /tokenize "
+        "wait on the critical path, but blocks of the engine's own answer are not predicted",
+    )
     max_blocks_per_endpoint: int = Field(
         1_048_576, ge=1, description="bound when the engine does not report its KV size"
     )

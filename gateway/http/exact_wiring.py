@@ -30,7 +30,10 @@ def attach_exact_prefix(config: GatewayConfig, metrics: GatewayMetrics, prefix: 
     prefix.exact = ExactPrefix(
         ExactIndex(kv_metrics, settings.max_blocks_per_endpoint),
         EngineTokens(
-            kv_metrics, timeout_s=settings.tokenize_timeout_s, cache_entries=settings.token_cache_entries
+            kv_metrics,
+            timeout_s=settings.tokenize_timeout_s,
+            cache_entries=settings.token_cache_entries,
+            reuse_turns=settings.reuse_turn_tokens,
         ),
         kv_metrics,
     )

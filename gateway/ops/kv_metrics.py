@@ -76,6 +76,12 @@ class KVEventMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.tokenize_seconds = Histogram(
+            "llm_gateway_prefix_tokenize_seconds",
+            "Time a request waited for the engine's tokens (the /tokenize round trip; cache hits excluded)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=registry,
+        )
         self.prediction_error = Histogram(
             "llm_gateway_prefix_cached_tokens_prediction_error",
             "Predicted minus engine-reported cached prompt tokens, per index kind",

@@ -53,6 +53,7 @@ class PrefixState:
     # Exact index (engine KV events): the engine's prompt tokens ([]: unavailable) and the
     # cached tokens each endpoint with live exact state will report.
     engine_tokens: list[int] | None = None
+    engine_token_count: int = 0  # the prompt's engine tokens (more than engine_tokens: a prefix)
     exact: dict[Endpoint, int] | None = None
 
 
@@ -122,7 +123,8 @@ class PrefixCache:
         """Estimated prompt tokens ``endpoint`` would have to prefill for ``request``."""
         state = request.context.prefix
         if state is not None and state.exact is not None and endpoint in state.exact:
-            return float(max(0, len(state.engine_tokens or ()) - state.exact[endpoint]))
+            total = state.engine_token_count or len(state.engine_tokens or ())
+            return float(max(0, total - state.exact[endpoint]))
         match = self.current_match(request)
         matched = match.matched.get(endpoint, 0) if match else 0
         cached_tokens = matched * self.block_bytes / CHARS_PER_TOKEN

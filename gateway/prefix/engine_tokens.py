@@ -5,17 +5,23 @@ Exact prefix matching compares token blocks, so the gateway asks the engine (vLL
 completion's ``prompt``) once per request, with a short timeout, and only when a policy
 asks for an exact match. Answers are kept in a bounded LRU keyed by the canonical prompt
 (and the template options), so a conversation's retries, P/D legs, regenerations and
-repeated prompts pay once. Requests the exact index cannot describe — multimodal parts
+repeated prompts pay once; with ``reuse_turn_tokens`` a conversation's next turn is matched
+on the previous turn's tokens while its own are fetched off the critical path
+(``turn_tokens``). Requests
+the exact index cannot describe — multimodal parts
 (their blocks carry media hashes), a ``cache_salt``, batched prompts, other APIs — get
 ``None``: the approximate index answers for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -23,11 +29,14 @@ import xxhash
 
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.prefix.turn_tokens import TurnTokens
 from gateway.request.types import InferenceRequest
 
 __all__ = ["EngineTokens", "tokenize_body"]
 
 log = logging.getLogger(__name__)
+
+_MAX_BACKGROUND = 64  # background tokenizations in flight; more: the next turn waits instead
 
 # Chat fields that change what the template renders, passed to /tokenize as given.
 _TEMPLATE_FIELDS = (
@@ -71,12 +80,16 @@ def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | Non
 
 
 class EngineTokens:
-    def __init__(self, metrics: KVEventMetrics, *, timeout_s: float, cache_entries: int) -> None:
+    def __init__(
+        self, metrics: KVEventMetrics, *, timeout_s: float, cache_entries: int, reuse_turns: bool = False
+    ) -> None:
         self.session: aiohttp.ClientSession | None = None  # the app's, set when it starts
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._entries = cache_entries
         self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._turns = TurnTokens(cache_entries) if reuse_turns and cache_entries else None
+        self._background: set[asyncio.Task[None]] = set()
 
     def _key(self, request: InferenceRequest, body: dict[str, Any]) -> bytes:
         extras = {k: v for k, v in body.items() if k not in ("model", "messages", "prompt")}
@@ -100,16 +113,66 @@ class EngineTokens:
             self._cache.move_to_end(key)
             self._metrics.tokenize.labels("cached").inc()
             return cached.tolist()
+        return await self._fetch(request, body, key, endpoint, None)
+
+    async def routing_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> tuple[list[int], int]:
+        """``(tokens, prompt tokens)`` to match on: all of the prompt's engine tokens, or — for a
+        conversation's next turn, once the model's template is known to extend turns — the
+        previous turn's (a prefix of them) with an estimate of the whole, the full tokens being
+        fetched in the background. ``([], 0)``: no engine tokens for this request."""
+        body = tokenize_body(request)
+        turns = self._turns
+        if turns is not None and isinstance(body, dict) and "messages" in body:
+            key = self._key(request, body)
+            if key not in self._cache and turns.trusted(request.model):
+                previous = turns.previous(request, body)
+                if previous is not None:
+                    prefix, chars = previous
+                    self._metrics.tokenize.labels("previous_turn").inc()
+                    self._spawn(self._fetch(request, body, key, endpoint, prefix))
+                    total = round(len(request.prompt_text) * len(prefix) / max(1, chars))
+                    return prefix, max(total, len(prefix) + 1)
+        tokens = await self.tokens(request, endpoint)
+        return (tokens, len(tokens)) if tokens else ([], 0)
+
+    async def _fetch(
+        self,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        key: bytes,
+        endpoint: Endpoint,
+        prefix: list[int] | None,
+    ) -> list[int] | None:
+        turns = self._turns
+        previous = prefix
+        if previous is None and turns is not None and "messages" in body:
+            found = turns.previous(request, body)
+            previous = found[0] if found is not None else None
         tokens = await self._ask(endpoint, body)
-        if tokens is not None and self._entries:
+        if tokens is None:
+            return None
+        if self._entries:
             self._cache[key] = array("I", tokens)
             while len(self._cache) > self._entries:
                 self._cache.popitem(last=False)
+        if turns is not None and "messages" in body:
+            turns.store(request, body, tokens)
+            if previous is not None and not turns.verify(request.model, previous, tokens):
+                self._metrics.tokenize.labels("previous_turn_mismatch").inc()
         return tokens
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        if len(self._background) >= _MAX_BACKGROUND:
+            work.close()
+            return
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _ask(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int] | None:
         if self.session is None:
             return None
+        started = time.perf_counter()
         try:
             async with self.session.post(
                 endpoint.base_url + "/tokenize",
@@ -132,5 +195,7 @@ class EngineTokens:
             self._metrics.tokenize.labels("error").inc()
             log.debug("tokenize on %s failed: %s", endpoint.name, exc)
             return None
+        finally:
+            self._metrics.tokenize_seconds.observe(time.perf_counter() - started)
         self._metrics.tokenize.labels("ok").inc()
         return tokens

@@ -52,9 +52,12 @@ class ExactPrefix:
                 self.metrics.fallbacks.labels(endpoint.name, "not_live").inc()
         if not todo:
             return
+        # the least busy engine answers fastest and slows no one's prefill much
+        target = min(todo, key=lambda e: (e.in_flight, e.pending_prefill_tokens))
         if state.engine_tokens is None:
-            state.engine_tokens = await self.tokens.tokens(request, todo[0]) or []
+            state.engine_tokens, state.engine_token_count = await self.tokens.routing_tokens(request, target)
         tokens = state.engine_tokens
+        count = state.engine_token_count or len(tokens)
         if not tokens:
             for endpoint in todo:
                 self.metrics.fallbacks.labels(endpoint.name, "no_tokens").inc()
@@ -71,7 +74,7 @@ class ExactPrefix:
                     chain = block_keys(tokens, size, lora)
                 keys[(size, lora)] = chain
             held = index.matched_blocks(endpoint.name, chain)
-            exact[endpoint] = min(held, (len(tokens) - 1) // size) * size
+            exact[endpoint] = min(held, (count - 1) // size) * size
         state.exact = exact
 
     def _block_size(self, endpoint: Endpoint) -> int:
