@@ -24,9 +24,12 @@ from tests.support.harness import Gateway
 
 MODEL = "sim-llama"
 
-# Health and scrapes fast enough that a stopped or saturated replica is seen within ~0.3 s.
+# Health and scrapes fast enough that a stopped or saturated replica is seen within ~0.3 s (a
+# stopped one refuses at once); the probe timeout is longer, because gateway, simulators and
+# client share the test's event loop, and on a busy machine a 0.3 s pause of it read as a
+# dead replica (503 "no healthy endpoint" in the middle of a test).
 FAST: dict[str, Any] = {
-    "health": {"interval_s": 0.1, "timeout_s": 0.3, "unhealthy_threshold": 1},
+    "health": {"interval_s": 0.1, "timeout_s": 1.5, "unhealthy_threshold": 1},
     "scrape": {"interval_s": 0.1, "timeout_s": 0.3},
 }
 
