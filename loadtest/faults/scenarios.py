@@ -47,20 +47,6 @@ class ScenarioOptions:
     log_dir: Path | None = None
 
 
-def _gateway_yaml(scenario: str, opts: ScenarioOptions, redis_url: str | None, directory: Path) -> Path:
-    config = copy.deepcopy(opts.gateway_config)
-    policy = opts.policy or ("session-aware" if scenario == "redis" else None)
-    if policy and not config.get("plugins"):
-        config["policy"] = policy
-    config.setdefault("server", {}).setdefault("drain_s", 0)  # a benchmark needs no graceful drain
-    if redis_url is not None:
-        config.setdefault("prefix", {}).update(backend="redis", redis_url=redis_url)
-        config.setdefault("sessions", {}).update(backend="redis", redis_url=redis_url)
-    path = directory / f"gateway-{scenario}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def _busiest(records: list[RequestOutcome], before: float, names: list[str]) -> str:
     counts = Counter(r.endpoint for r in records if r.start < before and r.endpoint in names)
     return max(names, key=lambda n: (counts[n], -names.index(n)))
