@@ -66,6 +66,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free port)")
     parser.add_argument("--kv-events-replay-port", type=int, default=0, help="replay ROUTER port (0: any)")
     parser.add_argument("--kv-events-topic", default=d.kv_events_topic)
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=d.data_parallel_size,
+        help="N schedulers + KV caches behind one port, as vLLM's (X-data-parallel-rank, engine label)",
+    )  # fmt: skip
     parser.add_argument("--replicas", type=int, default=1, help="start N replicas, one process each")
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port with --replicas (default --port)"
@@ -95,13 +99,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_port=getattr(args, "kv_events_port", 0),
         kv_events_replay_port=getattr(args, "kv_events_replay_port", 0),
         kv_events_topic=getattr(args, "kv_events_topic", "kv-events"),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
     )
 
 
 _PASSTHROUGH = (
     "host", "engine", "role", "model", "kv_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
     "time_scale", "decode_step_ms", "prefill_us_per_token", "decode_us_per_kv_token", "scheduling_policy",
-    "max_model_len", "shutdown_timeout",
+    "max_model_len", "shutdown_timeout", "data_parallel_size",
 )  # fmt: skip
 
 
@@ -112,8 +117,9 @@ def _child_argv(args: argparse.Namespace, port: int, index: int) -> list[str]:
     if getattr(args, "kv_events", False):  # each child its own ports: given ones offset by 2 per replica
         kv_port, replay_port = args.kv_events_port, args.kv_events_replay_port
         argv += ["--kv-events", "--kv-events-topic", args.kv_events_topic]
-        argv += ["--kv-events-port", str(kv_port + 2 * index if kv_port else 0)]
-        argv += ["--kv-events-replay-port", str(replay_port + 2 * index if replay_port else 0)]
+        step = 2 * getattr(args, "data_parallel_size", 1) * index  # each rank its own pair
+        argv += ["--kv-events-port", str(kv_port + step if kv_port else 0)]
+        argv += ["--kv-events-replay-port", str(replay_port + step if replay_port else 0)]
     return [*argv, "--seed", str(args.seed + index)]
 
 

@@ -45,6 +45,8 @@ class SimConfig:
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
     kv_events_topic: str = "kv-events"
+    # vLLM's --data-parallel-size: N schedulers with their own KV caches behind this port (dp.py)
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -61,5 +63,7 @@ class SimConfig:
             raise ValueError("time_scale must be positive")
         if self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be at least 1")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative")

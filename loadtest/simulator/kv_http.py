@@ -35,6 +35,8 @@ class KVHandlers:
         publisher = self.kv_publisher
         if publisher is None:
             return web.json_response({"enable_kv_cache_events": False})
+        if self.s.dp is not None:
+            return web.json_response(self.s.dp.sources())  # one config per rank, as vLLM 0.32
         return web.json_response({str(publisher.data_parallel_rank): publisher.sources()})
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -7,7 +7,7 @@ the scheduler's state; only the TTFT histogram is observed as tokens appear.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -99,14 +99,15 @@ class _Emit:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, pd: PDCounters) -> None:
+    def __init__(self, engine: Engine, pd: PDCounters, rank: int = 0) -> None:
         self.engine = engine
         self.pd = pd
+        self.rank = rank  # vLLM's engine="<DP rank>" label
 
     def _labels(self) -> tuple[list[str], list[str]]:
         cfg = self.engine.config
         if cfg.engine == "vllm":
-            return ["engine", "model_name"], ["0", cfg.model]
+            return ["engine", "model_name"], [str(self.rank), cfg.model]
         return ["model_name"], [cfg.model]
 
     def collect(self) -> Iterator[Metric]:
@@ -152,7 +153,7 @@ class _EngineCollector(Collector):
         for reason in FINISHED_REASONS:
             succ.add_metric([*values, reason], e.success[reason])
         yield succ
-        info_labels = cache_config_labels(e.config)
+        info_labels = {**cache_config_labels(e.config), "engine": str(self.rank)}
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info_labels)
         )
@@ -191,23 +192,56 @@ class _EngineCollector(Collector):
         yield pd
 
 
-class SimMetrics:
-    """Registry plus the live TTFT histogram for one simulator app."""
+class _RanksCollector(Collector):
+    """Data parallel: every rank's families merged, one family per name (as vLLM's page)."""
 
-    def __init__(self, engine: Engine, pd: PDCounters) -> None:
+    def __init__(self, ranks: list[_EngineCollector]) -> None:
+        self.ranks = ranks
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for collector in self.ranks:
+            for family in collector.collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+
+def _observer(child: Histogram) -> Callable[[SimRequest], None]:
+    def observe(req: SimRequest) -> None:
+        if req.ttft is not None:
+            child.observe(req.ttft)
+
+    return observe
+
+
+class SimMetrics:
+    """Registry plus the live TTFT histogram for one simulator app (``ranks``: its DP engines)."""
+
+    def __init__(self, engine: Engine, pd: PDCounters, ranks: list[Engine] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engine, pd))
+        if ranks and len(ranks) > 1:
+            collectors = [_EngineCollector(e, pd if r == 0 else PDCounters(), r) for r, e in enumerate(ranks)]
+            self.registry.register(_RanksCollector(collectors))
+        else:
+            self.registry.register(_EngineCollector(engine, pd))
         prefix = "vllm" if engine.config.engine == "vllm" else "sglang"
         labelnames = ["engine", "model_name"] if prefix == "vllm" else ["model_name"]
         labelvalues = ["0", engine.config.model] if prefix == "vllm" else [engine.config.model]
-        self._ttft = Histogram(
+        ttft = Histogram(
             f"{prefix}:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             labelnames=labelnames,
             buckets=TTFT_BUCKETS,
             registry=self.registry,
-        ).labels(*labelvalues)
+        )
+        self._ttft = ttft.labels(*labelvalues)
         engine.on_first_token = self._observe_ttft
+        for rank, other in enumerate(ranks or []):
+            if rank and prefix == "vllm":
+                other.on_first_token = _observer(ttft.labels(str(rank), engine.config.model))
 
     def _observe_ttft(self, req: SimRequest) -> None:
         ttft = req.ttft

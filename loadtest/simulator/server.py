@@ -26,6 +26,7 @@ from loadtest.harness.ports import free_port
 
 from .agent_http import AgentHandlers
 from .config import SimConfig
+from .dp import DataParallel
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
 from .kv_events import KVEventPublisher
 from .kv_http import KVHandlers
@@ -62,7 +63,8 @@ class SimState:
     fault: Fault = field(default_factory=Fault)
     port: int = 0
     client: aiohttp.ClientSession | None = None  # P/D: claims KV from prefill replicas in other processes
-    kv_events: KVEventPublisher | None = None  # with config.kv_events
+    kv_events: KVEventPublisher | None = None  # with config.kv_events (rank 0's with DP)
+    dp: DataParallel | None = None  # with config.data_parallel_size > 1; engines[0] is ``engine``
 
 
 STATE_KEY = web.AppKey("sim_state", SimState)
@@ -130,6 +132,8 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
             },
             pd_transfers={"honoured": self.s.pd.honoured, "recomputed": self.s.pd.recomputed},
         )
+        if self.s.dp is not None:
+            st["data_parallel"] = self.s.dp.state()
         return web.json_response(st)
 
     async def admin_fault(self, request: web.Request) -> web.Response:
@@ -188,8 +192,11 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
         req = SimRequest(
             tokens, parsed.max_tokens, seed=seed, external_tokens=external, priority=parsed.priority
         )
+        engine = self.s.engine if self.s.dp is None else self.s.dp.pick(request)
+        if isinstance(engine, web.Response):
+            return engine  # a rank out of range
         try:
-            self.s.engine.add_request(req)
+            engine.add_request(req)
         except EngineStopped as e:
             return error_response(503, str(e), "ServiceUnavailableError")
         except (RequestTooLong, ValueError) as e:  # a KV cache smaller than max_model_len: sim only
@@ -202,7 +209,7 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
             raise asyncio.CancelledError from None
         finally:
             if req.status != FINISHED:
-                self.s.engine.abort(req)
+                engine.abort(req)
 
     def _usage(self, req: SimRequest, chat: bool, streaming: bool) -> dict[str, Any]:
         return usage_body(
@@ -273,13 +280,15 @@ def build_app(config: SimConfig) -> web.Application:
     """The aiohttp application of one simulated replica; the engine runs while the app runs."""
     engine = Engine(config)
     pd = PDCounters()
+    dp = DataParallel.build(config, engine) if config.data_parallel_size > 1 else None
     state = SimState(
         config=config,
         engine=engine,
-        metrics=SimMetrics(engine, pd),
+        metrics=SimMetrics(engine, pd, ranks=dp.engines if dp is not None else None),
         pd=pd,
         engine_id=f"sim-{uuid.uuid4().hex[:12]}",
         port=config.port,
+        dp=dp,
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[STATE_KEY] = state
@@ -297,7 +306,10 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post("/tokenize", h.tokenize)
     app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
     h.add_agent_routes(app)
-    if config.kv_events:
+    if config.kv_events and dp is not None:
+        dp.publish(config)
+        h.kv_publisher = state.kv_events = dp.publishers[0]
+    elif config.kv_events:
         h.kv_publisher = state.kv_events = KVEventPublisher(
             engine.kv,
             host=config.host,
@@ -310,14 +322,18 @@ def build_app(config: SimConfig) -> web.Application:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         REGISTRY.engines.add(state.engine_id)
         state.client = aiohttp.ClientSession()
-        if state.kv_events is not None:
-            await state.kv_events.start()
-        engine.start()
+        engines = dp.engines if dp is not None else [engine]
+        publishers = dp.publishers if dp is not None else [p for p in (state.kv_events,) if p is not None]
+        for publisher in publishers:
+            await publisher.start()
+        for each in engines:
+            each.start()
         yield
-        if state.kv_events is not None:
-            await state.kv_events.close()
+        for publisher in publishers:
+            await publisher.close()
         REGISTRY.engines.discard(state.engine_id)
-        await engine.stop()
+        for each in engines:
+            await each.stop()
         if state.client is not None:
             await state.client.close()
 
@@ -327,9 +343,12 @@ def build_app(config: SimConfig) -> web.Application:
         """Runs once the sites are closed (new connections already refused), before aiohttp
         waits for the handlers: let in-flight requests run for shutdown_timeout_s, then end
         the rest with finish_reason "abort" so every client gets its answer at once."""
-        engine.close_admission()
-        await engine.drain(config.shutdown_timeout_s)
-        await engine.shutdown()
+        engines = dp.engines if dp is not None else [engine]
+        for each in engines:
+            each.close_admission()
+        await asyncio.gather(*(each.drain(config.shutdown_timeout_s) for each in engines))
+        for each in engines:
+            await each.shutdown()
 
     app.on_shutdown.append(end_in_flight)
     return app
