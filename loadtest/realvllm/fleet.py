@@ -36,6 +36,7 @@ from loadtest.harness.procfs import process_tree, rss_kib
 __all__ = [
     "MODEL_NAME",
     "Replica",
+    "ReplicaExited",
     "ReplicaOptions",
     "ensure_installed",
     "ensure_model",
@@ -49,11 +50,15 @@ __all__ = [
     "stop_replicas",
     "venv_dir",
     "wait_ready",
+    "wait_ready_retrying",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "tiny-llama"
+# vLLM logs this (with the traceback after it) when a worker of a starting engine fails.
+_ROOT_CAUSE_MARK = "EngineCore failed to start"
+_START_ATTEMPTS = 2  # a replica that exits while starting gets one more try, on fresh ports
 _DEAD_PROXY = "http://127.0.0.1:9"  # nothing listens there: any escaping request fails at once
 # A direct opener: urllib would otherwise honour the dead proxies set for the replicas.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -196,8 +201,15 @@ class Replica:
         return self.process.poll() is None
 
     def log_tail(self, max_chars: int = 4000) -> str:
+        """The log's end and, before it, its first error lines: an engine core that dies while
+        starting prints its root cause long before the API server's own traceback."""
         with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-max_chars:]
+            text = self.log_path.read_text(errors="replace")
+            tail = text[-max_chars:]
+            lines = text[: len(text) - len(tail)].splitlines()
+            first = next((i for i, line in enumerate(lines) if _ROOT_CAUSE_MARK in line), None)
+            cause = "\n".join(lines[first : first + 60]) if first is not None else ""
+            return f"{cause}\n[...]\n{tail}" if cause else tail
         return ""
 
     def rss_bytes(self) -> int:
@@ -317,6 +329,14 @@ def restart_replica(replica: Replica, timeout_s: float = 240.0, cache_root: Path
     return fresh
 
 
+class ReplicaExited(RuntimeError):
+    """A replica's process ended before it answered ``/health``."""
+
+    def __init__(self, replica: Replica) -> None:
+        super().__init__(f"{replica.name} exited with {replica.process.returncode}:\n{replica.log_tail()}")
+        self.replica = replica
+
+
 def wait_ready(replicas: Sequence[Replica], timeout_s: float = 240.0) -> None:
     """Until every replica answers ``/health`` 200; a replica that exits or is late fails with its log."""
     deadline = time.monotonic() + timeout_s
@@ -324,9 +344,7 @@ def wait_ready(replicas: Sequence[Replica], timeout_s: float = 240.0) -> None:
     while pending:
         for replica in list(pending):
             if not replica.alive():
-                raise RuntimeError(
-                    f"{replica.name} exited with {replica.process.returncode}:\n{replica.log_tail()}"
-                )
+                raise ReplicaExited(replica)
             if _healthy(replica.url):
                 replica.ready_s = time.monotonic() - replica.started_at
                 pending.remove(replica)
@@ -356,11 +374,36 @@ def start_replicas(
             replicas.append(
                 start_replica(index, port, options, log_dir=directory, cache_root=cache_root, kv_ports=kv)
             )
-        wait_ready(replicas, timeout_s)
+        wait_ready_retrying(replicas, timeout_s, directory, cache_root)
     except BaseException:
         stop_replicas(replicas)
         raise
     return replicas
+
+
+def wait_ready_retrying(
+    replicas: list[Replica], timeout_s: float, directory: Path, cache_root: Path | None = None
+) -> None:
+    """``wait_ready``, but a replica that *exits* while starting (not one that is late) is started
+    again on fresh ports, once, with its first log's root cause printed: on a shared CI machine an
+    engine core has died in start-up while its twin came up, and one lost start must not fail
+    the whole suite. A second exit fails with both logs' causes."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, _START_ATTEMPTS + 1):
+        try:
+            wait_ready(replicas, max(1.0, deadline - time.monotonic()))
+            return
+        except ReplicaExited as exc:
+            if attempt == _START_ATTEMPTS:
+                raise
+            dead = exc.replica
+            print(f"\n{dead.name} exited while starting (attempt {attempt}); starting it again:\n{exc}")
+            fresh_port, *kv = free_ports(3 if dead.kv_ports else 1)
+            index = replicas.index(dead)
+            replicas[index] = start_replica(
+                dead.index, fresh_port, dead.options, log_dir=directory, cache_root=cache_root,
+                kv_ports=(kv[0], kv[1]) if kv else None,
+            )  # fmt: skip
 
 
 def stop_replicas(replicas: Sequence[Replica]) -> None:
