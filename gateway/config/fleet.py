@@ -71,6 +71,9 @@ class HealthConfig(_Strict):
     healthy_threshold: int = Field(1, ge=1)
     unhealthy_threshold: int = Field(2, ge=1)
     path: str = "/health"
+    models_refresh_s: float = Field(
+        15.0, gt=0, description="re-read discovered /v1/models this often (LoRA adapters loaded at run time)"
+    )
 
 
 class ScrapeConfig(_Strict):

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
     from gateway.config.kv_events import KVEventSourceConfig
+    from gateway.fleet.lora import LoraLoad
 
 __all__ = ["Endpoint", "EndpointMetrics", "EngineKind", "Role", "public_url"]
 
@@ -48,6 +49,7 @@ class EndpointMetrics:
     kv_usage: float | None = None
     block_size: int | None = None
     num_blocks: int | None = None
+    lora: LoraLoad | None = None  # adapters in use (vllm:lora_requests_info); None: not reported
     scraped_at: float = 0.0  # monotonic time of the last successful scrape
     in_flight_at_scrape: int = 0  # the gateway's own in-flight count when that scrape landed
     in_flight_tokens_at_scrape: int = 0  # … and its in-flight prompt tokens
@@ -80,6 +82,7 @@ class Endpoint:
     kv_events: KVEventSourceConfig | None = None  # its KV-event stream, configured (else discovered)
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> base model (/v1/models)
     healthy: bool = False
     ejected: bool = False  # circuit breaker open (or its half-open probe in flight)
     draining: bool = False  # admin drain: no new requests; in-flight ones finish

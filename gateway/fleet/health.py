@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.lora import adapter_parents
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.metrics import GatewayMetrics
 
@@ -91,6 +93,7 @@ class HealthChecker:
         self._session = session
         self._config = config
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._listed_at: dict[str, float] = {}  # endpoint URL -> when its /v1/models was last read
 
     async def run(self) -> None:
         while True:
@@ -135,10 +138,28 @@ class HealthChecker:
             if not endpoint.configured_models and not endpoint.discovered_models:
                 endpoint.discovered_models = await self._discover_models(endpoint)
                 return bool(endpoint.discovered_models)
+            if not endpoint.configured_models and self._refresh_due(endpoint):
+                await self._refresh_models(endpoint)
             return True
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("endpoint %s: probe failed: %s", endpoint.name, exc)
             return False
+
+    def _refresh_due(self, endpoint: Endpoint) -> bool:
+        return time.monotonic() - self._listed_at.get(endpoint.url, 0.0) >= self._config.models_refresh_s
+
+    async def _refresh_models(self, endpoint: Endpoint) -> None:
+        """Re-read a discovered model list: adapters come and go at run time. An empty or
+        unusable answer keeps the old list (the health probe, not this, says it is down)."""
+        try:
+            models = await self._discover_models(endpoint)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("endpoint %s: model list refresh failed: %s", endpoint.name, exc)
+            return
+        if models and models != endpoint.discovered_models:
+            endpoint.discovered_models = models
+            if endpoint in self._registry:
+                self._registry.rebuild()
 
     async def _discover_models(self, endpoint: Endpoint) -> frozenset[str]:
         async with self._session.get(
@@ -150,11 +171,13 @@ class HealthChecker:
             if resp.status != 200:
                 return frozenset()
             payload = await resp.json(content_type=None)
+        self._listed_at[endpoint.url] = time.monotonic()
         try:
             models = parse_model_ids(payload)
         except ValueError as exc:
             log.warning("endpoint %s: unusable model list, kept unhealthy: %s", endpoint.name, exc)
             return frozenset()
-        if models:
+        endpoint.adapters = adapter_parents(payload)
+        if models and models != endpoint.discovered_models:
             log.info("endpoint %s serves %s", endpoint.name, sorted(models))
         return models

@@ -109,6 +109,7 @@ def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
     endpoint.consecutive_failures = previous.consecutive_failures
     endpoint.consecutive_successes = previous.consecutive_successes
     endpoint.discovered_models = previous.discovered_models
+    endpoint.adapters = previous.adapters
     endpoint.metrics = previous.metrics
     endpoint.draining = previous.draining
     endpoint.ejected = previous.ejected

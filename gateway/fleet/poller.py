@@ -79,6 +79,7 @@ class MetricsPoller:
             return
         m = endpoint.metrics
         m.waiting, m.running, m.kv_usage = load.waiting, load.running, load.kv_usage
+        m.lora = load.lora
         if load.block_size is not None:
             m.block_size, m.num_blocks = load.block_size, load.num_blocks
         m.scraped_at = time.monotonic()

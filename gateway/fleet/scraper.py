@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet.endpoint import EngineKind
+from gateway.fleet.lora import LORA_METRIC, LoraLoad, lora_load
 
 __all__ = ["ScrapedLoad", "parse_engine_metrics"]
 
@@ -27,6 +28,7 @@ class ScrapedLoad:
     num_blocks: int | None = None
     # Monotonic counters that reset when the engine restarts; used to detect restarts.
     restart_marker: float | None = None
+    lora: LoraLoad | None = None  # vLLM with --enable-lora
 
 
 _VLLM = {
@@ -36,6 +38,7 @@ _VLLM = {
     "vllm:gpu_cache_usage_perc": "kv_usage_legacy",
     "vllm:cache_config_info": "cache_config",
     "vllm:prefix_cache_queries": "restart_marker",  # family name without _total
+    LORA_METRIC: "lora",
 }
 _SGLANG = {
     "sglang:num_queue_reqs": "waiting",
@@ -73,6 +76,9 @@ def parse_engine_metrics(text: str, engine: EngineKind) -> ScrapedLoad:
     for family in text_string_to_metric_families(_wanted_lines(text, tuple(families))):
         field = families.get(family.name)
         if field is None:
+            continue
+        if field == "lora":  # read whole: the latest of its samples wins
+            load.lora = lora_load(family.samples)
             continue
         for sample in family.samples:
             if field != "cache_config" and not math.isfinite(sample.value):

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from gateway.config import ConfigError, EndpointConfig, format_validation_error
 from gateway.errors import BadRequest, Conflict, NotFound, Unauthorized
 from gateway.fleet.endpoint import Endpoint, public_url
+from gateway.fleet.lora import LoraLoad
 from gateway.fleet.membership import ADMIN_SOURCE
 from gateway.fleet.networks import EndpointNetworks
 from gateway.http.state import STATE, GatewayState
@@ -50,6 +51,8 @@ def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[st
         "kv_usage": m.kv_usage,
         "metrics_stale": m.stale,
         "metrics_age_s": round(now - m.scraped_at, 3) if m.scraped_at else None,
+        "adapters": dict(endpoint.adapters),  # LoRA adapter -> base model
+        "lora": _lora(m.lora),
     }
 
 
@@ -186,3 +189,10 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/endpoints", remove_endpoint)
     app.router.add_post("/admin/endpoints/drain", drain_endpoint)
     app.router.add_post("/admin/endpoints/undrain", undrain_endpoint)
+
+
+def _lora(load: LoraLoad | None) -> dict[str, Any] | None:
+    """Adapters in use, as last scraped (vllm:lora_requests_info); None: not reported."""
+    if load is None:
+        return None
+    return {"running": sorted(load.running), "waiting": sorted(load.waiting), "max_lora": load.max_lora}

@@ -70,6 +70,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-parallel-size", type=int, default=d.data_parallel_size,
         help="N schedulers + KV caches behind one port, as vLLM's (X-data-parallel-rank, engine label)",
     )  # fmt: skip
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
+    parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters per batch (GPU slots)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], help="name=path ... (static adapters)")
+    parser.add_argument(
+        "--lora-load-ms", type=float, default=d.lora_load_ms, help="modelled cost of loading an adapter"
+    )
     parser.add_argument("--replicas", type=int, default=1, help="start N replicas, one process each")
     parser.add_argument(
         "--base-port", type=int, default=None, help="first port with --replicas (default --port)"
@@ -100,6 +106,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_replay_port=getattr(args, "kv_events_replay_port", 0),
         kv_events_topic=getattr(args, "kv_events_topic", "kv-events"),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        lora_modules=tuple(getattr(args, "lora_modules", ())),
+        lora_load_ms=getattr(args, "lora_load_ms", 50.0),
     )
 
 
@@ -120,6 +130,10 @@ def _child_argv(args: argparse.Namespace, port: int, index: int) -> list[str]:
         step = 2 * getattr(args, "data_parallel_size", 1) * index  # each rank its own pair
         argv += ["--kv-events-port", str(kv_port + step if kv_port else 0)]
         argv += ["--kv-events-replay-port", str(replay_port + step if replay_port else 0)]
+    if getattr(args, "enable_lora", False):
+        argv += ["--enable-lora", "--max-loras", str(args.max_loras)]
+        argv += ["--lora-load-ms", str(args.lora_load_ms)]
+        argv += ["--lora-modules", *args.lora_modules] if args.lora_modules else []
     return [*argv, "--seed", str(args.seed + index)]
 
 

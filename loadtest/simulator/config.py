@@ -7,7 +7,7 @@ attention cost, which gives an ITL of ~7-15 ms at small batch sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENGINES = ("vllm", "sglang")
 ROLES = ("both", "prefill", "decode")
@@ -48,7 +48,18 @@ class SimConfig:
     # vLLM's --data-parallel-size: N schedulers with their own KV caches behind this port (dp.py)
     data_parallel_size: int = 1
 
+    # vLLM's --enable-lora / --max-loras / --lora-modules name=path ...; lora_load_ms: the modelled
+    # cost of loading an adapter that is not resident in the GPU slots (loadtest.simulator.lora).
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_modules: tuple[str, ...] = field(default_factory=tuple)
+    lora_load_ms: float = 50.0
+
     def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.lora_load_ms < 0:
+            raise ValueError("max_loras must be at least 1 and lora_load_ms not negative")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (vLLM: --lora-modules needs --enable-lora)")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.role not in ROLES:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .config import SimConfig
 from .kvcache import KVCache, SeqBlocks, block_hashes
+from .lora import LoraSlots
 from .tokenizer import output_word, token_id
 
 WAITING, RUNNING, FINISHED, ABORTED = "waiting", "running", "finished", "aborted"
@@ -47,6 +48,7 @@ class SimRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     external_tokens: int = 0  # KV received from a remote prefill (P/D): not computed here
     priority: int = 0  # vLLM semantics: lower is served earlier (only with the priority policy)
+    lora: str | None = None  # the LoRA adapter it runs (None: the base model)
     arrival: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     output_words: list[str] = field(default_factory=list)
@@ -112,6 +114,7 @@ class Engine:
         self.on_first_token: Callable[[SimRequest], None] | None = None
         self.on_finish: Callable[[SimRequest], None] | None = None
         self.on_step: Callable[[], None] | None = None  # after each step (KV-event publishing)
+        self.lora: LoraSlots | None = None  # with --enable-lora (loadtest.simulator.lora)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lag = 0.0
@@ -300,6 +303,8 @@ class Engine:
             + cfg.prefill_us_per_token * prefill
             + cfg.decode_us_per_kv_token * kv_tokens
         )
+        if self.lora is not None:
+            us += self.lora.step_us((req for req, _ in batch), self.waiting)
         return us / 1e6 * self.slow_factor / cfg.time_scale
 
     def _preempt(self, req: SimRequest) -> None:
@@ -335,9 +340,17 @@ class Engine:
         if preempted:
             return batch
         bs = cfg.block_size
+        loras = self.lora.scheduled(self.running) if self.lora is not None else None
+        skipped: deque[SimRequest] = deque()  # waiting for an adapter slot (vLLM v1: skipped)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            hashes = block_hashes(req.tokens, bs)
+            if loras is not None and self.lora is not None:
+                if not self.lora.can_join(req.lora, loras):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if req.lora is not None:
+                    loras.add(req.lora)
+            hashes = block_hashes(req.tokens, bs, parent=req.blocks.root)
             hit = self.kv.match_prefix(hashes)
             if len(hit) * bs >= len(req.tokens):  # must compute at least one token
                 hit = hit[:-1]
@@ -357,6 +370,7 @@ class Engine:
             self.running.append(req)
             batch.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return batch
 
     def _complete(self, batch: list[tuple[SimRequest, int]]) -> None:

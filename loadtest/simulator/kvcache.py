@@ -37,9 +37,10 @@ def block_hashes(
 class SeqBlocks:
     """Blocks owned by one sequence, and how many of them are registered in the cache."""
 
-    __slots__ = ("block_ids", "hashes")
+    __slots__ = ("block_ids", "hashes", "root")
 
     def __init__(self) -> None:
+        self.root: int | None = None  # the hash chain's seed: a LoRA adapter's (None: the base model)
         self.block_ids: list[int] = []
         self.hashes: list[int] = []  # hashes of the first len(hashes) blocks (all full + cached)
 
@@ -136,7 +137,7 @@ class KVCache:
         n_full = min(num_computed // self.block_size, len(seq.block_ids))
         if n_full <= len(seq.hashes):
             return []
-        parent = seq.hashes[-1] if seq.hashes else None
+        parent = seq.hashes[-1] if seq.hashes else seq.root
         bs = self.block_size
         new = block_hashes(tokens[: n_full * bs], bs, len(seq.hashes), parent)
         created: list[int] = []

@@ -30,6 +30,7 @@ from .dp import DataParallel
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
 from .kv_events import KVEventPublisher
 from .kv_http import KVHandlers
+from .lora import LoraAdapters, LoraCollector
 from .metrics import PDCounters, SimMetrics
 from .pd import REGISTRY
 from .pd_http import PDHandlers
@@ -65,6 +66,7 @@ class SimState:
     client: aiohttp.ClientSession | None = None  # P/D: claims KV from prefill replicas in other processes
     kv_events: KVEventPublisher | None = None  # with config.kv_events (rank 0's with DP)
     dp: DataParallel | None = None  # with config.data_parallel_size > 1; engines[0] is ``engine``
+    lora: LoraAdapters | None = None  # with config.enable_lora
 
 
 STATE_KEY = web.AppKey("sim_state", SimState)
@@ -110,7 +112,10 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(models_body(self.s.config))
+        body = models_body(self.s.config)
+        if self.s.lora is not None:  # vLLM lists each adapter with its parent
+            body["data"].extend(self.s.lora.cards(body["data"][0]["created"]))
+        return json_response(body)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.s.metrics.registry)
@@ -134,6 +139,8 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
         )
         if self.s.dp is not None:
             st["data_parallel"] = self.s.dp.state()
+        if self.s.lora is not None:
+            st["lora"] = self.s.lora.stats()
         return web.json_response(st)
 
     async def admin_fault(self, request: web.Request) -> web.Response:
@@ -168,7 +175,8 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         cfg = self.s.config
         try:
-            parsed = parse_request(parse_body(await request.read()), chat, cfg)
+            adapters = self.s.lora.modules if self.s.lora is not None else ()
+            parsed = parse_request(parse_body(await request.read()), chat, cfg, adapters)
         except Rejected as e:
             return e.response
         body, tokens = parsed.body, parsed.tokens
@@ -192,6 +200,8 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
         req = SimRequest(
             tokens, parsed.max_tokens, seed=seed, external_tokens=external, priority=parsed.priority
         )
+        if self.s.lora is not None:
+            self.s.lora.assign(req, body.get("model"))
         engine = self.s.engine if self.s.dp is None else self.s.dp.pick(request)
         if isinstance(engine, web.Response):
             return engine  # a rank out of range
@@ -306,6 +316,12 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post("/tokenize", h.tokenize)
     app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
     h.add_agent_routes(app)
+    if config.enable_lora:
+        state.lora = LoraAdapters(config)
+        for each in dp.engines if dp is not None else [engine]:
+            state.lora.attach(each)
+        state.metrics.registry.register(LoraCollector(state.lora))
+        state.lora.routes(app)
     if config.kv_events and dp is not None:
         dp.publish(config)
         h.kv_publisher = state.kv_events = dp.publishers[0]

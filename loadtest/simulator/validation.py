@@ -9,6 +9,7 @@ for ``max_tokens`` is not an error: vLLM clamps max_tokens to what fits in max_m
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,15 +125,16 @@ def _schema(body: dict[str, Any], chat: bool) -> None:
         raise Rejected(validation_error("model_attributes_type", "body.stream_options", msg, opts))
 
 
-def parse_request(body: dict[str, Any], chat: bool, cfg: SimConfig) -> Parsed:
-    """Validate a generation request; raise `Rejected` with vLLM's answer when it is refused."""
+def parse_request(body: dict[str, Any], chat: bool, cfg: SimConfig, adapters: Container[str] = ()) -> Parsed:
+    """Validate a generation request; raise `Rejected` with vLLM's answer when it is refused.
+    ``adapters``: the LoRA adapters served, valid models too."""
     _schema(body, chat)
     requested = _int(body, "max_completion_tokens") if chat else None
     if requested is None:
         requested = _int(body, "max_tokens")
     priority = _int(body, "priority") or 0
     model = body.get("model")
-    if model is not None and model != cfg.model:  # no model: vLLM serves its only one
+    if model is not None and model != cfg.model and model not in adapters:  # no model: the base
         msg = f"The model `{model}` does not exist. Valid aliases: {cfg.model}."
         raise Rejected(error_response(404, msg, "NotFoundError", "model"))
     limit = cfg.max_model_len
