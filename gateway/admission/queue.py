@@ -6,7 +6,9 @@
   (fair across tenants: round-robin; within a tenant earliest deadline first among those
   still meetable, then the overdue — the TTFT objective's deadline, else arrival +
   ``queue_timeout_s``, so without SLOs it is FIFO)
-  until headroom returns or its deadline passes → 429;
+  until headroom returns or its deadline passes → 429. With a TTFT objective (and a
+  confident latency model) it also waits while no replica is predicted to meet it, and with
+  ``slo.drop_overdue`` leaves the queue with a 429 once its deadline has passed;
 - ``sheddable``: admitted only with headroom and nobody queued; otherwise served by the
   fallback model if one is configured and has room (degraded), else 429 at once.
   Under partial pressure (half the pool saturated) its ``max_tokens`` may be clamped.
@@ -27,8 +29,9 @@ import json
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.admission.saturation import SaturationDetector
 from gateway.config import AdmissionConfig
@@ -37,12 +40,21 @@ from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.types import InferenceRequest, Priority
 
-__all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftEstimate", "rewrite_body"]
+__all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftPredictor", "rewrite_body"]
 
 _PRIORITIES = tuple(Priority)
+_SLO_SCAN = 32  # queued requests per tenant a drain pass re-predicts before giving up on the tenant
 
-# The best predicted TTFT (ms) of a request over the candidates, None when no prediction is trusted.
-TtftEstimate = Callable[[InferenceRequest, Sequence[Endpoint]], Awaitable[float | None]]
+
+class TtftPredictor(Protocol):
+    """The best predicted TTFT (ms) of a request over its candidates. ``prepare`` does the async
+    part once (the prefix match); ``best_ms`` is then cheap and re-run as the fleet's state moves."""
+
+    async def prepare(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None: ...
+
+    def best_ms(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> float | None:
+        """None when no prediction is trusted (fail open)."""
+        ...
 
 
 class RateLimited(GatewayError):
@@ -64,6 +76,8 @@ class _Waiter:
     future: asyncio.Future[None]
     enqueued_at: float = field(default_factory=time.monotonic)
     due: float = math.inf  # standard queue order: earliest first
+    slo_gated: bool = False  # has a TTFT deadline: granted only when predicted to meet it
+    timer: asyncio.TimerHandle | None = None  # wakes the queue at the deadline
 
 
 class AdmissionController:
@@ -73,10 +87,10 @@ class AdmissionController:
         detector: SaturationDetector,
         metrics: GatewayMetrics,
         candidates_for: Callable[[str], Sequence[Endpoint]],
-        ttft_estimate: TtftEstimate | None = None,
+        ttft: TtftPredictor | None = None,
     ) -> None:
         self._config = config
-        self._ttft_estimate = ttft_estimate
+        self._ttft = ttft
         self._detector = detector
         self._metrics = metrics
         self._candidates_for = candidates_for
@@ -125,21 +139,46 @@ class AdmissionController:
             if not saturated and not self.queued():
                 await self._check_slo(request)
             return self._admit_sheddable(request, saturated)
-        if not saturated and not self.queued():
+        slo_gated = await self._slo_gated(request)
+        if not saturated and not self.queued() and not (slo_gated and self._slo_verdict(request) is False):
             return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
         if self._queued_standard >= self._config.max_queue:
             raise self._refuse(priority, "queue_full", "the admission queue is full")
         queue = self._standard.setdefault(request.tenant, deque())
-        return await self._wait(request, queue)
+        return await self._wait(request, queue, slo_gated=slo_gated)
+
+    async def _slo_gated(self, request: InferenceRequest) -> bool:
+        """Whether this standard request waits for a replica predicted to meet its TTFT deadline."""
+        slo = request.slo
+        if slo is None or slo.deadline is None or self._ttft is None or not self._config.slo.hold_standard:
+            return False
+        await self._ttft.prepare(request, self._candidates_for(request.model))
+        return True
+
+    def _slo_verdict(self, request: InferenceRequest) -> bool | None:
+        """Predicted to get its first token before its deadline (True/False); None: no trusted
+        prediction, or the deadline has passed (then being fast no longer helps it)."""
+        slo = request.slo
+        if self._ttft is None or slo is None or slo.deadline is None:
+            return None
+        left_ms = (slo.deadline - time.monotonic()) * 1000
+        if left_ms <= 0:
+            return None
+        best = self._ttft.best_ms(request, self._candidates_for(request.model))
+        if best is None:
+            return None
+        return best <= left_ms * self._config.slo.shed_margin
 
     async def _check_slo(self, request: InferenceRequest) -> None:
         """Refuse sheddable work that no replica is predicted to start in time (fail open)."""
         slo = request.slo
-        if slo is None or slo.deadline is None or self._ttft_estimate is None:
+        if slo is None or slo.deadline is None or self._ttft is None:
             return
         if not self._config.slo.shed_sheddable:
             return
-        best = await self._ttft_estimate(request, self._candidates_for(request.model))
+        candidates = self._candidates_for(request.model)
+        await self._ttft.prepare(request, candidates)
+        best = self._ttft.best_ms(request, candidates)
         if best is None:
             return
         left_ms = (slo.deadline - time.monotonic()) * 1000
@@ -169,13 +208,18 @@ class AdmissionController:
         raise self._refuse("sheddable", "saturated", "the model's replicas are saturated")
 
     # -- queue ----------------------------------------------------------------------
-    async def _wait(self, request: InferenceRequest, queue: deque[_Waiter]) -> Ticket:
+    async def _wait(
+        self, request: InferenceRequest, queue: deque[_Waiter], slo_gated: bool = False
+    ) -> Ticket:
         priority = request.priority
-        waiter = _Waiter(request, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(request, loop.create_future(), slo_gated=slo_gated)
         if priority != "critical":
             deadline = request.slo.deadline if request.slo is not None else None
             if deadline is None:
                 deadline = waiter.enqueued_at + self._config.queue_timeout_s
+            elif slo_gated:  # at its deadline it is dropped or stops waiting for a prediction
+                waiter.timer = loop.call_later(max(0.0, deadline - waiter.enqueued_at), self.wake)
             waiter.due = deadline
             bisect.insort_right(queue, waiter, key=_due)  # after equal deadlines: FIFO among them
             self._queued_standard += 1
@@ -190,7 +234,9 @@ class AdmissionController:
             raise self._refuse(
                 priority, "queue_timeout", f"still saturated after {self._config.queue_timeout_s:g}s in queue"
             ) from None
-        finally:  # granted, timed out, or the client went away: leave the queue now
+        finally:  # granted, timed out, refused, or the client went away: leave the queue now
+            if waiter.timer is not None:
+                waiter.timer.cancel()
             self._remove(waiter, queue)
             self._metrics.queue_wait.labels(priority).observe(time.monotonic() - waiter.enqueued_at)
         ticket = self._grant(Ticket(priority))
@@ -227,7 +273,7 @@ class AdmissionController:
         now = time.monotonic()
         for tenant in list(self._standard):
             queue = self._standard[tenant]
-            waiter = _next_waiter(queue, now)
+            waiter = self._next_waiter(queue, now)
             if waiter is None:
                 continue
             if self._saturated(waiter.request.model):
@@ -235,6 +281,38 @@ class AdmissionController:
             waiter.future.set_result(None)
             self._standard.move_to_end(tenant)  # round-robin across tenants
             return
+
+    def _next_waiter(self, queue: deque[_Waiter], now: float) -> _Waiter | None:
+        """Earliest deadline first among those still meetable, then the overdue ones.
+
+        Plain EDF collapses under overload: it serves the most overdue requests first, all of
+        which have missed already, while the meetable ones behind them go stale too. Without
+        SLOs nothing is overdue while queued (due = arrival + queue_timeout_s): FIFO. A waiter
+        with a TTFT deadline is skipped while no replica is predicted to meet it; once overdue
+        it is refused (``drop_overdue``) or served late like any other."""
+        overdue = None
+        scanned = 0
+        drop = self._config.slo.drop_overdue
+        for waiter in list(queue):
+            if waiter.future.done():
+                continue
+            if waiter.due > now:
+                if not waiter.slo_gated:
+                    return waiter
+                if self._slo_verdict(waiter.request) is not False:
+                    return waiter
+                scanned += 1
+                if scanned >= _SLO_SCAN:
+                    break
+            elif waiter.slo_gated and drop:
+                waiter.future.set_exception(
+                    self._refuse(
+                        waiter.request.priority, "slo_deadline_passed", "its TTFT deadline passed in queue"
+                    )
+                )
+            elif overdue is None:
+                overdue = waiter
+        return overdue
 
     # -- bookkeeping ----------------------------------------------------------------
     def _grant(self, ticket: Ticket) -> Ticket:
@@ -277,23 +355,6 @@ class AdmissionController:
 
 def _due(waiter: _Waiter) -> float:
     return waiter.due
-
-
-def _next_waiter(queue: deque[_Waiter], now: float) -> _Waiter | None:
-    """Earliest deadline first among those still meetable, then the overdue ones.
-
-    Plain EDF collapses under overload: it serves the most overdue requests first, all of
-    which have missed already, while the meetable ones behind them go stale too. Without
-    SLOs nothing is overdue while queued (due = arrival + queue_timeout_s): FIFO."""
-    overdue = None
-    for waiter in queue:
-        if waiter.future.done():
-            continue
-        if waiter.due > now:
-            return waiter
-        if overdue is None:
-            overdue = waiter
-    return overdue
 
 
 def rewrite_body(request: InferenceRequest) -> None:

@@ -25,6 +25,18 @@ class SloConfig(Strict):
     shed_sheddable: bool = Field(
         True, description="refuse (429) sheddable requests that no replica is predicted to serve in time"
     )
+    hold_standard: bool = Field(
+        True,
+        description="a standard request with a TTFT objective waits in the gateway's queue (earliest "
+        "deadline first) while no replica is predicted to meet it, instead of joining an engine queue "
+        "it would miss its deadline in",
+    )
+    drop_overdue: bool = Field(
+        False,
+        description="refuse (429 slo_deadline_passed) a queued standard request once its TTFT deadline "
+        "has passed, instead of serving it late: under overload its slot goes to work that can still "
+        "meet its objective (goodput); off: late work is served, as without objectives",
+    )
     min_samples: int = Field(
         20, ge=1, description="observations a replica's model needs (else the fleet's) before it sheds"
     )

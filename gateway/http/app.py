@@ -34,7 +34,7 @@ from gateway.http.handlers import add_routes
 from gateway.http.middleware import error_middleware
 from gateway.http.plugins import default_registry
 from gateway.http.routing import build_routing
-from gateway.http.slo import ttft_estimator
+from gateway.http.slo import PrefixTtftPredictor
 from gateway.http.state import STATE, GatewayState
 from gateway.ops.metrics import GatewayMetrics
 from gateway.ops.tasks import supervise
@@ -219,7 +219,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
             detector,
             metrics,
             registry.candidates,
-            ttft_estimator(prefix, context.latency) if context.latency is not None else None,
+            PrefixTtftPredictor(prefix, context.latency) if context.latency is not None else None,
         ),
         access_log=AccessLog(config.server.access_log == "json"),
         breakers=breakers,

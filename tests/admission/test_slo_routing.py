@@ -13,12 +13,13 @@ streamed requests of assorted lengths the gateway's latency model knows that cos
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
 import aiohttp
 
-from tests.support.harness import Gateway, gateway_metrics, metric_value
+from tests.support.harness import Gateway, gateway_metrics, metric_value, wait_until
 
 MODEL = "sim-llama"
 FAST = {"health": {"interval_s": 0.2, "timeout_s": 0.5}, "scrape": {"interval_s": 0.1, "timeout_s": 0.5}}
@@ -130,3 +131,72 @@ async def test_sheddable_work_nobody_can_serve_in_time_is_refused_once_the_model
     assert metric_value(text, decisions, priority="sheddable", outcome="shed", reason="slo_unmeetable") == 1
     missed = metric_value(text, "llm_gateway_slo_requests_total", priority="standard", result="missed")
     assert missed == 1
+
+
+async def _queued(http: aiohttp.ClientSession, gw: Gateway) -> float:
+    text = await gateway_metrics(http, gw)
+    return metric_value(text, "llm_gateway_admission_queue_length", priority="standard") or 0
+
+
+async def test_a_standard_request_waits_in_the_gateway_until_a_replica_can_meet_its_deadline(
+    start_sim, start_gateway, http
+) -> None:
+    """Both replicas predicted ~500 ms behind prefill queues: a 1.5 s objective is not sent into
+    one of them; when the queues clear it goes, and meets its deadline."""
+    gw = await _slo_gateway(start_sim, start_gateway)
+    await _warm_up(http, gw)
+    endpoints = list(gw.state.registry)
+    for endpoint in endpoints:
+        endpoint.pending_prefill_tokens += 120_000  # ~1.5 s each at 12.5 µs per token
+    cleared = False
+    try:
+        task = asyncio.ensure_future(_stream(http, gw, _prompt(500, "held"), **{"x-slo-ttft-ms": "1500"}))
+
+        async def held() -> bool:
+            return await _queued(http, gw) == 1
+
+        await wait_until(held, 1.0, "the request held in the gateway's queue")
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        for endpoint in endpoints:
+            endpoint.pending_prefill_tokens -= 120_000
+        cleared = True
+        status, _, _ = await asyncio.wait_for(task, 3)
+    finally:
+        if not cleared:
+            for endpoint in endpoints:
+                endpoint.pending_prefill_tokens -= 120_000
+    assert status == 200
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_admission_decisions_total", priority="standard",
+                        outcome="admitted", reason="dequeued") == 1  # fmt: skip
+    assert metric_value(text, "llm_gateway_slo_requests_total", priority="standard", result="met") >= 1
+
+
+async def test_with_drop_overdue_a_held_request_leaves_the_queue_at_its_deadline_with_429(
+    start_sim, start_gateway, http
+) -> None:
+    sims = [await start_sim(model=MODEL, time_scale=2.0) for _ in range(2)]
+    slo = {"min_samples": 5, "drop_overdue": True}
+    gw = await start_gateway([s.url for s in sims], policy="slo-aware", admission={"slo": slo}, **FAST)
+    await _warm_up(http, gw)
+    endpoints = list(gw.state.registry)
+    for endpoint in endpoints:
+        endpoint.pending_prefill_tokens += 120_000
+    try:
+        started = asyncio.get_running_loop().time()
+        status, body, _ = await _stream(http, gw, _prompt(500, "doomed"), **{"x-slo-ttft-ms": "300"})
+        waited = asyncio.get_running_loop().time() - started
+        # Without an objective the same request is not held: served at once, queues or not.
+        plain_status, _, _ = await _stream(http, gw, _prompt(500, "plain"))
+    finally:
+        for endpoint in endpoints:
+            endpoint.pending_prefill_tokens -= 120_000
+    assert status == 429, body
+    assert body["error"]["code"] == "rate_limit_exceeded.slo_deadline_passed"
+    assert 0.25 <= waited < 2.0, waited  # refused at its deadline, not at queue_timeout_s
+    assert plain_status == 200
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_admission_decisions_total", priority="standard",
+                        outcome="shed", reason="slo_deadline_passed") == 1  # fmt: skip
+    assert await _queued(http, gw) == 0
