@@ -7,11 +7,14 @@ on the blocks the engines report; ``off`` keeps the approximate index alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from gateway.config.base import Strict as _Strict
 
-__all__ = ["ExactPrefixConfig", "KVEventSourceConfig"]
+__all__ = ["ExactPrefixConfig", "KVEventSourceConfig", "TokenizerConfig"]
 
 
 def _zmq_tcp(value: str | None) -> str | None:
@@ -31,6 +34,51 @@ class KVEventSourceConfig(_Strict):
     _check_endpoint = field_validator("endpoint", "replay_endpoint")(_zmq_tcp)
 
 
+def _tokenizer_dir(value: str) -> str:
+    if not (Path(value) / "tokenizer.json").is_file():
+        raise ValueError(f"{value!r} holds no tokenizer.json")
+    return value
+
+
+class TokenizerConfig(_Strict):
+    """Where the engine's prompt tokens come from: computed here, or the engine's ``/tokenize``."""
+
+    source: Literal["auto", "local", "engine"] = Field(
+        "auto",
+        description="auto: local where a tokenizer is found for the model (checked against the engine's "
+        "/tokenize on its first requests), else /tokenize; local: local only, no /tokenize (a request the "
+        "local path cannot do goes to the approximate index); engine: always /tokenize",
+    )
+    path: str | None = Field(
+        None, description="a directory with tokenizer.json, for every model not in models"
+    )
+    models: dict[str, str] = Field(
+        default_factory=dict, description="served model name -> directory with tokenizer.json"
+    )
+    hf_cache: bool = Field(True, description="look in the local Hugging Face cache (never downloads)")
+    verify_requests: int = Field(
+        3, ge=0, description="auto: a model's first N local answers are compared with /tokenize before use"
+    )
+    reverify_every: int = Field(1000, ge=0, description="auto: compare one request in N in the background")
+    threads: int = Field(2, ge=1, le=64, description="tokenizer threads (off the event loop)")
+    max_prompt_chars: int = Field(4_000_000, ge=1, description="longer prompts are not tokenized locally")
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        return None if value is None else _tokenizer_dir(value)
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, directory in value.items():
+            try:
+                _tokenizer_dir(directory)
+            except ValueError as exc:
+                raise ValueError(f"models.{name}: {exc}") from None
+        return value
+
+
 class ExactPrefixConfig(_Strict):
     discover: bool = Field(True, description="ask each endpoint's GET /kv_event_sources")
     rediscover_s: float = Field(10.0, gt=0, description="retry an endpoint without a stream this often")
@@ -46,6 +94,7 @@ class ExactPrefixConfig(_Strict):
         "model's template is seen to extend turns) and fetch its own in the background: no /tokenize "
         "wait on the critical path, but blocks of the engine's own answer are not predicted",
     )
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     max_blocks_per_endpoint: int = Field(
         1_048_576, ge=1, description="bound when the engine does not report its KV size"
     )

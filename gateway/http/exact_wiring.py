@@ -17,6 +17,7 @@ from gateway.prefix.cache import PrefixCache
 from gateway.prefix.engine_tokens import EngineTokens
 from gateway.prefix.exact import ExactIndex
 from gateway.prefix.exact_match import ExactPrefix
+from gateway.prefix.local_tokens import LocalTokens
 
 __all__ = ["attach_exact_prefix", "kv_event_subscriber"]
 
@@ -27,6 +28,8 @@ def attach_exact_prefix(config: GatewayConfig, metrics: GatewayMetrics, prefix: 
         return
     settings = config.prefix.kv_events
     kv_metrics = KVEventMetrics(metrics.registry)
+    tokenizer = settings.tokenizer
+    local = LocalTokens(tokenizer, kv_metrics) if tokenizer.source != "engine" else None
     prefix.exact = ExactPrefix(
         ExactIndex(kv_metrics, settings.max_blocks_per_endpoint),
         EngineTokens(
@@ -34,6 +37,7 @@ def attach_exact_prefix(config: GatewayConfig, metrics: GatewayMetrics, prefix: 
             timeout_s=settings.tokenize_timeout_s,
             cache_entries=settings.token_cache_entries,
             reuse_turns=settings.reuse_turn_tokens,
+            local=local,
         ),
         kv_metrics,
     )

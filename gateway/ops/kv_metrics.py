@@ -82,6 +82,19 @@ class KVEventMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
             registry=registry,
         )
+        self.local_tokenize = Counter(
+            "llm_gateway_prefix_local_tokenize",
+            "Prompts tokenized in the gateway (tokenizer.json + chat template), by outcome: ok, verified, "
+            "mismatch (the model goes back to /tokenize), fallback (reason: what the local path cannot do)",
+            ["outcome", "reason"],
+            registry=registry,
+        )
+        self.local_tokenize_seconds = Histogram(
+            "llm_gateway_prefix_local_tokenize_seconds",
+            "Time a request waited for its tokens computed in the gateway (render + encode, off the loop)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+            registry=registry,
+        )
         self.prediction_error = Histogram(
             "llm_gateway_prefix_cached_tokens_prediction_error",
             "Predicted minus engine-reported cached prompt tokens, per index kind",

@@ -11,6 +11,10 @@ on the previous turn's tokens while its own are fetched off the critical path
 the exact index cannot describe — multimodal parts
 (their blocks carry media hashes), a ``cache_salt``, batched prompts, other APIs — get
 ``None``: the approximate index answers for them.
+
+With a :class:`LocalTokens` (``prefix.kv_events.tokenizer``) the tokens are computed in the
+gateway instead — no round trip — and ``/tokenize`` is asked only to verify a model's
+first answers, or where the local path cannot reproduce the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import xxhash
 
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.turn_tokens import TurnTokens
 from gateway.request.types import InferenceRequest
 
@@ -81,9 +86,16 @@ def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | Non
 
 class EngineTokens:
     def __init__(
-        self, metrics: KVEventMetrics, *, timeout_s: float, cache_entries: int, reuse_turns: bool = False
+        self,
+        metrics: KVEventMetrics,
+        *,
+        timeout_s: float,
+        cache_entries: int,
+        reuse_turns: bool = False,
+        local: LocalTokens | None = None,
     ) -> None:
         self.session: aiohttp.ClientSession | None = None  # the app's, set when it starts
+        self.local = local
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._entries = cache_entries
@@ -148,7 +160,7 @@ class EngineTokens:
         if previous is None and turns is not None and "messages" in body:
             found = turns.previous(request, body)
             previous = found[0] if found is not None else None
-        tokens = await self._ask(endpoint, body)
+        tokens = await self._resolve(request, body, endpoint)
         if tokens is None:
             return None
         if self._entries:
@@ -160,6 +172,31 @@ class EngineTokens:
             if previous is not None and not turns.verify(request.model, previous, tokens):
                 self._metrics.tokenize.labels("previous_turn_mismatch").inc()
         return tokens
+
+    async def _resolve(
+        self, request: InferenceRequest, body: dict[str, Any], endpoint: Endpoint
+    ) -> list[int] | None:
+        """Local tokens where trusted; the engine's while a model is being verified or the local
+        path cannot answer (``auto``), or nothing (``local``: the approximate index answers)."""
+        local = self.local
+        if local is None or local.distrusted(request.model):
+            return await self._ask(endpoint, body)
+        mine = await local.tokens(request)
+        if mine is None:
+            return await self._ask(endpoint, body) if local.engine_fallback else None
+        if local.trusted(request):
+            if local.recheck_due(request):
+                self._spawn(self._recheck(request.model, mine, endpoint, body))
+            return mine
+        engine = await self._ask(endpoint, body)
+        if engine is not None:
+            local.check(request.model, mine, engine)
+        return engine
+
+    async def _recheck(self, model: str, mine: list[int], endpoint: Endpoint, body: dict[str, Any]) -> None:
+        engine = await self._ask(endpoint, body)
+        if engine is not None and self.local is not None:
+            self.local.check(model, mine, engine)
 
     def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         if len(self._background) >= _MAX_BACKGROUND:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["build", "corpus"]
+__all__ = ["build", "build_tokenizer", "corpus"]
 
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]
@@ -78,6 +78,15 @@ def _train_tokenizer(out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"})
     )
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """The tiny model's tokenizer files alone (tokenizer.json + config with its chat template):
+    needs only ``tokenizers``, for the gateway's local tokenizer and the simulator."""
+    if not (out_dir / "tokenizer_config.json").is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _train_tokenizer(out_dir)
+    return out_dir
 
 
 def _write_model(out_dir: Path, seed: int) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .tokenizer import encode, encode_chat, render_chat
+from .tokenizer import encode, encode_chat, real, real_chat_tokens, render_chat
 from .wire import error_response
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ def _tokens(body: dict[str, Any]) -> list[int]:
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
+        if real() is not None:
+            return real_chat_tokens(body)
         if body.get("add_generation_prompt", True):
             return encode_chat(messages)
         return encode(render_chat(messages).removesuffix("<|start|>assistant\n"))

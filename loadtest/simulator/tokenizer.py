@@ -1,18 +1,29 @@
-"""Deterministic tokenizer approximation.
+"""Deterministic tokenizer approximation, or a real one.
 
 Real tokenizers are not needed: what matters for routing is that equal text maps
 to equal token ids and that conversations sharing leading messages share leading
 tokens (through a fixed chat template), exactly as with a real chat template.
+
+With ``LLMGW_SIM_TOKENIZER=DIR`` (or :func:`use`) prompts are tokenized with the model
+directory's ``tokenizer.json`` and chat template instead, by the gateway's own renderer
+(:mod:`gateway.prefix.local_tokenizer`), so a gateway tokenizing locally and the simulated
+engine agree token for token (``loadtest.exact_bench --tokenizer``). Output tokens stay
+the toy ones.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from gateway.prefix.chat_template import Unsupported
+from gateway.prefix.local_tokenizer import LocalTokenizer
 
 VOCAB_SIZE = 50_000
 _TOKEN_RE = re.compile(r"<\|[a-z_]+\|>|\w+|[^\w\s]")
@@ -36,12 +47,39 @@ def token_id(piece: str) -> int:
     return xxhash.xxh32_intdigest(piece.encode()) % VOCAB_SIZE
 
 
+_real: list[LocalTokenizer | None] = []  # [] until first use: LLMGW_SIM_TOKENIZER decides
+
+
+def use(directory: str | None) -> None:
+    """Tokenize with the real tokenizer in ``directory`` (None: the toy tokenizer)."""
+    _real[:] = [LocalTokenizer(Path(directory)) if directory else None]
+
+
+def real() -> LocalTokenizer | None:
+    if not _real:
+        use(os.environ.get("LLMGW_SIM_TOKENIZER") or None)
+    return _real[0]
+
+
+def real_chat_tokens(body: dict[str, Any]) -> list[int]:
+    """A chat body's tokens as vLLM computes them (the real tokenizer must be in use)."""
+    tok = real()
+    assert tok is not None
+    try:
+        return tok.chat_tokens(body)
+    except Unsupported as exc:
+        raise ValueError(f"chat template: {exc}") from None
+
+
 def tokenize(text: str) -> list[str]:
     return _TOKEN_RE.findall(text)
 
 
 def encode(text: str) -> list[int]:
     """Text -> token ids (words, punctuation and chat-template specials)."""
+    tok = real()
+    if tok is not None:
+        return tok.encode(text, add_special_tokens=True)  # a completion prompt, as vLLM encodes it
     return [token_id(p) for p in _TOKEN_RE.findall(text)]
 
 
@@ -82,6 +120,8 @@ def render_chat(messages: Iterable[Any]) -> str:
 
 
 def encode_chat(messages: Iterable[Any]) -> list[int]:
+    if real() is not None:
+        return real_chat_tokens({"messages": list(messages)})
     return encode(render_chat(messages))
 
 

@@ -1,0 +1,185 @@
+"""The gateway's own tokenizer: a real ``tokenizer.json`` (the tiny Llama's, trained here) and
+chat templates rendered as vLLM 0.32 / transformers 5 render them; what it cannot reproduce
+is refused with a reason, never guessed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.config import load_config
+from gateway.prefix.chat_template import Unsupported, conversation, render
+from gateway.prefix.local_tokenizer import LocalTokenizer, find_tokenizer_dir
+from gateway.prefix.template_format import content_format
+from loadtest.realvllm.model import CHAT_TEMPLATE, build_tokenizer
+
+# A template with the features real ones use: tools as JSON, content parts, tool calls,
+# raise_exception, a custom kwarg, the developer role.
+FANCY = (
+    "{{ bos_token }}{% if tools %}<|system|>Tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{% if message['content'] is string and message['content'] == 'RAISE' %}"
+    "{{ raise_exception('refused') }}{% endif %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "[call {{ call.function.name }} {{ call.function.arguments | tojson }}]{% endfor %}{% endif %}\n"
+    "{% endfor %}{% if greeting is defined %}{{ greeting }}{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+def with_template(base: Path, target: Path, template: str, jinja_file: bool = False) -> Path:
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        shutil.copy(base / name, target / name)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    if jinja_file:
+        (target / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+def raw_encode(directory: Path, text: str, special: bool = False) -> list[int]:
+    return Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text, add_special_tokens=special).ids
+
+
+def chat(*messages: tuple[str, Any], **body: Any) -> dict[str, Any]:
+    return {"messages": [{"role": r, "content": c} for r, c in messages], **body}
+
+
+def test_a_multi_turn_chat_is_the_template_text_encoded_without_special_tokens(tiny_dir: Path) -> None:
+    tok = LocalTokenizer(tiny_dir)
+    body = chat(("system", "the cache " * 50), ("user", "q1"), ("assistant", "a1 é 漢字 🙂"), ("user", "q2"))
+    expected = "<s><|system|>" + "the cache " * 50 + "\n<|user|>q1\n<|assistant|>a1 é 漢字 🙂\n<|user|>q2\n"
+    assert tok.chat_text(body) == expected + "<|assistant|>"
+    assert tok.chat_tokens(body) == raw_encode(tiny_dir, expected + "<|assistant|>")
+    assert tok.chat_text({**body, "add_generation_prompt": False}) == expected
+    # a next turn extends the previous one's tokens (the template appends messages)
+    shorter = tok.chat_tokens(chat(("system", "the cache " * 50), ("user", "q1")))
+    assert tok.chat_tokens(body)[: len(shorter)] == shorter
+
+
+def test_template_options_render_as_vllm_renders_them(tiny_dir: Path, tmp_path: Path) -> None:
+    tok = LocalTokenizer(with_template(tiny_dir, tmp_path / "fancy", FANCY))
+    assert content_format(FANCY) == "openai"  # it loops over message content: parts, not strings
+    assert content_format(CHAT_TEMPLATE) == "string"
+    text = tok.chat_text(chat(("user", [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}])))
+    assert text == "<s><|user|>onetwo<|assistant|>"  # trim_blocks: no newline after a tag
+    calls = [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}]
+    body = {
+        "messages": [
+            {"role": "user", "content": "find"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "found"},
+        ],
+        "tools": TOOLS,
+    }
+    text = tok.chat_text(body)
+    tool_json = (
+        '[{"type": "function", "function": {"name": "lookup", "description": null, '
+        '"parameters": {"type": "object"}}}]'
+    )  # vLLM's model_dump(): description present as null
+    assert text.startswith("<s><|system|>Tools: " + tool_json + "\n")
+    assert '<|assistant|>[call lookup {"q": "x"}]<|tool|>found' in text  # arguments parsed to an object
+    prefill = chat(("user", "hi"), ("assistant", "The answer is"))
+    text = tok.chat_text({**prefill, "add_generation_prompt": False, "continue_final_message": True})
+    assert text == "<s><|user|>hi<|assistant|>The answer is"
+    kwargs = tok.chat_text(chat(("user", "hi"), chat_template_kwargs={"greeting": "HELLO", "other": 1}))
+    assert kwargs.endswith("HELLO<|assistant|>")
+    dev = tok.chat_text(chat(("developer", "be brief"), ("user", "hi")))
+    assert dev.startswith("<s><|system|>be brief<|user|>")  # no developer role in the template: system
+
+
+def test_chat_template_jinja_file_wins_and_completions_keep_special_tokens(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    tok = LocalTokenizer(with_template(tiny_dir, tmp_path / "jinja", "[{{ messages[0]['content'] }}]", True))
+    assert tok.chat_text(chat(("user", "x"))) == "[x]"
+    assert tok.completion_tokens({"prompt": "a b c"}) == raw_encode(tiny_dir, "a b c", special=True)
+    # special-token text inside content is the special token, as in the engine
+    assert tok.chat_tokens(chat(("user", "<s>"))) == raw_encode(tiny_dir, "[<s>]")
+    assert raw_encode(tiny_dir, "<s>") == [tok.tokenizer.token_to_id("<s>")]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (chat(("user", [{"type": "image_url", "image_url": {"url": "data:,"}}])), "content_part"),
+        (chat(("user", "x"), chat_template="{{ 1 }}"), "engine_only_field"),
+        (chat(("user", "x"), cache_salt="s"), "engine_only_field"),
+        (chat(("user", "x"), chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+        (chat(("user", "x"), tools=[{"type": "function"}]), "tools"),
+        (chat(("user", "x"), tools=TOOLS, tool_choice="none"), "tool_choice_none"),
+        ({"messages": ["not a message"]}, "message"),
+        ({"messages": []}, "message"),
+        (
+            chat(("user", "x"), add_generation_prompt=True, continue_final_message=True),
+            "continue_final_message",
+        ),
+    ],
+)
+def test_what_the_local_path_cannot_reproduce_is_refused(
+    tiny_dir: Path, tmp_path: Path, body, reason
+) -> None:
+    tok = LocalTokenizer(with_template(tiny_dir, tmp_path / "t", FANCY))
+    with pytest.raises(Unsupported) as info:
+        tok.chat_tokens(body)
+    assert info.value.reason == reason
+
+
+def test_a_broken_template_is_refused_and_huge_content_still_renders(tiny_dir: Path, tmp_path: Path) -> None:
+    tok = LocalTokenizer(with_template(tiny_dir, tmp_path / "bad", "{% for m in messages %}{{ m.content "))
+    with pytest.raises(Unsupported) as info:
+        tok.chat_tokens(chat(("user", "x")))
+    assert info.value.reason == "template"
+    refusing = LocalTokenizer(with_template(tiny_dir, tmp_path / "raise", "{{ raise_exception('no') }}"))
+    with pytest.raises(Unsupported) as info:
+        refusing.chat_tokens(chat(("user", "x")))
+    assert info.value.reason == "template_error"  # the engine answers 400 to it too
+    with pytest.raises(Unsupported):
+        render("{{ messages[5]['x'] + 1 }}", conversation([{"role": "u", "content": "x"}], "string"),
+               special_tokens={}, kwargs={}, tools=None)  # fmt: skip
+    big = LocalTokenizer(tiny_dir).chat_tokens(chat(("user", "stone " * 200_000)))
+    assert len(big) >= 200_000  # 1.2 MB of content: encoded, no crash
+
+
+def test_tokenizer_directories_come_from_config_or_the_hf_cache(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_dir, snap)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert find_tokenizer_dir("org/tiny", models={}, path=None, hf_cache=True) == snap
+    assert find_tokenizer_dir("org/tiny", models={}, path=None, hf_cache=False) is None
+    assert find_tokenizer_dir("org/other", models={}, path=None, hf_cache=True) is None
+    assert find_tokenizer_dir("../etc", models={}, path=None, hf_cache=True) is None
+    assert find_tokenizer_dir("m", models={"m": str(tiny_dir)}, path=None, hf_cache=True) == tiny_dir
+
+
+def test_a_configured_directory_without_a_tokenizer_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> None:
+    def load(tokenizer: dict[str, Any]) -> Any:
+        raw = {
+            "endpoints": [{"url": "http://127.0.0.1:1"}],
+            "prefix": {"kv_events": {"tokenizer": tokenizer}},
+        }
+        return load_config(overrides=raw, environ={})
+
+    assert load({"path": str(tiny_dir)}).prefix.kv_events.tokenizer.path == str(tiny_dir)
+    for bad in ({"path": str(tmp_path)}, {"models": {"m": str(tmp_path / "missing")}}, {"source": "guess"}):
+        with pytest.raises(Exception, match="tokenizer"):
+            load(bad)
