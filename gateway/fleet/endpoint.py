@@ -83,6 +83,7 @@ class Endpoint:
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> base model (/v1/models)
+    adapters_in_flight: dict[str, int] = field(default_factory=dict)  # the gateway's, per adapter
     healthy: bool = False
     ejected: bool = False  # circuit breaker open (or its half-open probe in flight)
     draining: bool = False  # admin drain: no new requests; in-flight ones finish

@@ -34,9 +34,9 @@ class LoraLoad:
     waiting: frozenset[str] = frozenset()
     max_lora: int | None = None
 
-    def has_free_slot(self) -> bool:
-        """Another adapter can join the batch without one of these leaving it."""
-        return self.max_lora is not None and len(self.running | self.waiting) < self.max_lora
+    def has_free_slot(self, also: Iterable[str] = ()) -> bool:
+        """Another adapter can join the batch without one of these (or ``also``) leaving it."""
+        return self.max_lora is not None and len(self.running | self.waiting | set(also)) < self.max_lora
 
 
 def _names(value: str | None) -> frozenset[str]:

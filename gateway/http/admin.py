@@ -53,6 +53,7 @@ def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[st
         "metrics_age_s": round(now - m.scraped_at, 3) if m.scraped_at else None,
         "adapters": dict(endpoint.adapters),  # LoRA adapter -> base model
         "lora": _lora(m.lora),
+        "adapters_in_flight": dict(endpoint.adapters_in_flight),
     }
 
 

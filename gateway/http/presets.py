@@ -37,9 +37,13 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
         (PluginSpec(type="kv-utilization"), 1),
         (PluginSpec(type="in-flight"), 1),
     ),
-    # Expected-cost routing: prefix hits against queued work; cache room breaks cold ties.
+    # Expected-cost routing: prefix hits against queued work; cache room breaks cold ties; a LoRA
+    # adapter's requests go where it runs (neutral for base models; docs/benchmarks.md §10).
     "prefix-aware": _preset(
-        _TIE_BREAK, (PluginSpec(type="prefix-cost"), 1), (PluginSpec(type="cache-room"), 0.1)
+        _TIE_BREAK,
+        (PluginSpec(type="prefix-cost"), 1),
+        (PluginSpec(type="cache-room"), 0.1),
+        (PluginSpec(type="lora-affinity"), 1),
     ),
     # prefix-aware plus session stickiness: a conversation stays on its replica while it has room.
     "session-aware": _preset(

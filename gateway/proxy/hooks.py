@@ -124,10 +124,19 @@ class InFlightHook(RequestHooks):
     def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         endpoint.in_flight += 1
         endpoint.in_flight_tokens += request.est_prompt_tokens
+        if request.model in endpoint.adapters:  # LoRA: what lora-affinity knows before a scrape
+            counts = endpoint.adapters_in_flight
+            counts[request.model] = counts.get(request.model, 0) + 1
 
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, outcome: Outcome) -> None:
         endpoint.in_flight -= 1
         endpoint.in_flight_tokens -= request.est_prompt_tokens
+        counts = endpoint.adapters_in_flight
+        if request.model in counts:
+            if counts[request.model] > 1:
+                counts[request.model] -= 1
+            else:
+                del counts[request.model]
 
 
 class PrefixHook(RequestHooks):

@@ -57,6 +57,18 @@ def test_levels_running_then_free_slot_then_waiting_then_evict():
     assert scores == {running: 1.0, free: 0.8, waiting: 0.6, full: 0.0, unknown: 0.4, stale: 0.4}
 
 
+def test_the_gateways_own_requests_in_flight_count_before_a_scrape():
+    scorer = make_plugin("lora-affinity")
+    never = _adapter_endpoint(1, None)  # no report yet
+    never.adapters_in_flight = {"sql": 2}
+    # Scraped with one free slot of two, but the gateway has another adapter in flight there.
+    filled = _adapter_endpoint(2, LoraLoad(frozenset({"x"}), frozenset(), 2))
+    filled.adapters_in_flight = {"y": 1}
+    other = _adapter_endpoint(3, None)
+    scores = scorer.score(request("sql"), [never, filled, other])
+    assert scores == {never: 1.0, filled: 0.0, other: 0.4}
+
+
 def test_a_waiting_adapter_counts_against_the_slots_once():
     # running {a}, waiting {a}: one adapter uses one of two slots, so another fits.
     load = LoraLoad(frozenset({"a"}), frozenset({"a"}), 2)
@@ -152,6 +164,22 @@ async def test_gateway_lists_adapters_and_routes_to_the_replica_running_one(
     for hold in holds:
         hold.cancel()
     await asyncio.gather(*holds, return_exceptions=True)
+
+
+async def test_default_preset_keeps_a_burst_per_adapter_on_one_replica(start_sim, start_gateway, http):
+    # Two replicas with one adapter slot each; a and b arrive together, never scraped busy yet.
+    sims = [
+        await start_sim(enable_lora=True, max_loras=1, lora_modules=("a", "b"), time_scale=2.0)
+        for _ in range(2)
+    ]
+    gw = await start_gateway([s.url for s in sims], scrape=FAST_SCRAPE)
+    await _complete(http, gw.url, "a", max_tokens=30)
+    models = ["b", "a"] * 4
+    picks = await asyncio.gather(*(_complete(http, gw.url, m, max_tokens=30) for m in models))
+    by_model = {m: {p for p, mm in zip(picks, models, strict=True) if mm == m} for m in ("a", "b")}
+    assert len(by_model["a"]) == 1 and len(by_model["b"]) == 1, by_model
+    rows = await debug_endpoints(http, gw)
+    assert all(rows[s.url]["adapters_in_flight"] == {} for s in sims)  # every request settled
 
 
 async def test_an_adapter_loaded_at_run_time_is_discovered_and_routed(start_sim, start_gateway, http):
