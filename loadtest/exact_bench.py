@@ -1,6 +1,7 @@
 """Exact (KV events) vs approximate vs round-robin routing, same workload, same run.
 
     .venv/bin/python -m loadtest.exact_bench [--replicas 3] [--kv-blocks 256] [--requests 600]
+    .venv/bin/python -m loadtest.exact_bench --tokenizer tiny --arms exact,exact-local,approximate,round-robin
 
 Each arm gets fresh simulator processes (``--kv-events``: vLLM's ZMQ KV events) and its
 own ``llm-gateway serve``. The workload is multi-turn chat over shared documents with Zipf
@@ -9,6 +10,12 @@ evicted all the time). Reported per arm: the engines' own prefix-cache hit ratio
 (``vllm:prefix_cache_hits / queries``), client TTFT p50/p99 (streamed), and the mean
 |predicted − engine-reported| cached tokens (``x-gateway-predicted-cached-tokens`` with
 ``x-gateway-debug: 1`` against ``usage.prompt_tokens_details.cached_tokens``).
+
+``--tokenizer DIR`` (``tiny``: the tiny Llama's, built here) makes every arm's simulators
+tokenize with that real ``tokenizer.json`` + chat template (``LLMGW_SIM_TOKENIZER``) and the
+workload use words of its vocabulary; the ``exact-local`` arm then computes the engine's tokens
+in the gateway (``prefix.kv_events.tokenizer``: ``auto`` with that directory, checked against
+``/tokenize`` on its first 3 requests) instead of asking ``/tokenize`` per request.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -28,10 +36,19 @@ import aiohttp
 
 from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
 from loadtest.harness.scrape import fetch_metrics
+from loadtest.realvllm.model import _WORDS, build_tokenizer
 
 MODEL = "sim-llama"
 ARMS = {
-    "exact": ("prefix-aware", {"prefix": {"exact": "auto"}}),
+    "exact": (
+        "prefix-aware",
+        {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"source": "engine"}}}},
+    ),
+    # the engine's tokens computed in the gateway (needs --tokenizer: the engines tokenize the same way)
+    "exact-local": (
+        "prefix-aware",
+        {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": None}}}},
+    ),
     # next turns matched on the previous turn's tokens, /tokenize in the background
     "exact-reuse-turns": (
         "prefix-aware",
@@ -60,6 +77,7 @@ class Workload:
     doc_tokens: int
     active: int
     seed: int = 1
+    natural: bool = False  # words of the tiny Llama's vocabulary (about a token each), not d3w17-style ids
     rng: random.Random = field(init=False)
     conversations: list[list[dict[str, str]]] = field(default_factory=list)
 
@@ -69,7 +87,16 @@ class Workload:
         self.weights = [w / sum(weights) for w in weights]
 
     def document(self, index: int) -> str:
+        if self.natural:
+            rng = random.Random(index)
+            return f"Document {index}: " + " ".join(rng.choice(_WORDS) for _ in range(self.doc_tokens))
         return f"Document {index}: " + " ".join(f"d{index}w{i}" for i in range(self.doc_tokens))
+
+    def question(self, turn: int) -> str:
+        count = self.rng.randint(20, 80)
+        if self.natural:
+            return f"question {turn}: " + " ".join(self.rng.choice(_WORDS) for _ in range(count))
+        return f"q{turn} " + " ".join(f"u{turn}x{i}" for i in range(count))
 
     def next(self, turn: int) -> tuple[int, list[dict[str, str]]]:
         if len(self.conversations) < self.active or self.rng.random() < 0.25:
@@ -80,8 +107,7 @@ class Workload:
             self.conversations.append(conversation)
         index = self.rng.randrange(len(self.conversations))
         conversation = self.conversations[index]
-        question = f"q{turn} " + " ".join(f"u{turn}x{i}" for i in range(self.rng.randint(20, 80)))
-        conversation.append({"role": "user", "content": question})
+        conversation.append({"role": "user", "content": self.question(turn)})
         return index, list(conversation)
 
 
@@ -123,6 +149,10 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
 
 async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     policy, config = ARMS[name]
+    if name == "exact-local":
+        if not args.tokenizer:
+            raise SystemExit("exact-local needs --tokenizer (the engines must tokenize as the gateway)")
+        config = {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": args.tokenizer}}}}
     sim_args = ["--kv-events", "--kv-blocks", str(args.kv_blocks), "--time-scale", str(args.time_scale)]
     replicas = await start_replicas(args.replicas, sim_args, log_dir=workdir / name)
     config_path = workdir / f"{name}.json"  # JSON is YAML
@@ -132,7 +162,7 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
     )
     try:
         await asyncio.sleep(1.5)  # subscribers connect, first scrapes land
-        work = Workload(args.docs, args.doc_tokens, args.active)
+        work = Workload(args.docs, args.doc_tokens, args.active, natural=bool(args.tokenizer))
         results: list[Result] = []
         turns = iter(range(args.requests))
         lock = asyncio.Lock()
@@ -171,12 +201,16 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
     ttfts = sorted(r.ttft for r in results)
     tokenize_s = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_sum") or 0.0
     tokenize_n = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_count") or 0.0
+    local_s = metric_value(gateway_metrics, "llm_gateway_prefix_local_tokenize_seconds_sum") or 0.0
+    local_n = metric_value(gateway_metrics, "llm_gateway_prefix_local_tokenize_seconds_count") or 0.0
     shares = sorted(
         (sum(1 for r in results if r.endpoint == e) for e in {r.endpoint for r in results}), reverse=True
     )
     return {
         "tokenize_ms": 1000 * tokenize_s / tokenize_n if tokenize_n else 0.0,
         "tokenize_calls": int(tokenize_n),
+        "local_ms": 1000 * local_s / local_n if local_n else 0.0,
+        "local_calls": int(local_n),
         "max_share": shares[0] / len(results) if shares else 0.0,
         "arm": name,
         "requests": len(results),
@@ -211,6 +245,9 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
     parser.add_argument("--dump-metrics", default="", help="print gateway metric lines containing these")
+    parser.add_argument(
+        "--tokenizer", default="", help="a tokenizer directory for engines and exact-local (tiny: build one)"
+    )
     args = parser.parse_args()
     fleet_tokens = args.replicas * args.kv_blocks * 16
     working_set = args.docs * (args.doc_tokens + 3) + args.active * 4 * 80
@@ -218,6 +255,10 @@ def main() -> None:
     print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exact-bench-") as tmp:
+        if args.tokenizer == "tiny":
+            args.tokenizer = str(build_tokenizer(Path(tmp) / "tokenizer"))
+        if args.tokenizer:
+            os.environ["LLMGW_SIM_TOKENIZER"] = args.tokenizer  # the simulators inherit it
         for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
             for name in args.arms.split(","):
                 runs.setdefault(name, []).append(asyncio.run(run_arm(name, args, Path(tmp) / str(round_))))
@@ -227,14 +268,15 @@ def main() -> None:
     print(
         "| arm | requests | engine hit ratio | TTFT p50 ms | TTFT p99 ms "
         "| mean abs(pred − actual) tokens | exact predictions | busiest replica's share "
-        "| /tokenize calls | mean /tokenize wait ms |"
+        "| /tokenize calls | mean /tokenize wait ms | local tokenizations | mean local ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f} | {r['ttft_p50_ms']:.1f} | "
             f"{r['ttft_p99_ms']:.1f} | {r['mean_abs_error_tokens']:.1f} | {r['exact_predictions']:.1%} | "
-            f"{r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} |"
+            f"{r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} | "
+            f"{r['local_calls']} | {r['local_ms']:.2f} |"
         )
 
 
