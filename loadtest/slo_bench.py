@@ -17,7 +17,11 @@ Prompts of 100–700 tokens, half of them behind one of 8 shared 600-token syste
 loop, same mix); then, for each load (× capacity), two runs on a fresh fleet each:
 
 - ``default``: the default preset (prefix-aware), no SLO headers — today's gateway;
-- ``slo-aware``: the ``slo-aware`` preset, every request with its ``x-slo-ttft-ms``.
+- ``slo-aware``: the ``slo-aware`` preset, every request with its ``x-slo-ttft-ms``, and
+  ``admission.slo.drop_overdue`` (a queued request whose deadline passed is refused, not
+  served late);
+- ``sglang-router``: ``sglang-router`` (PyPI) with ``cache_aware`` in front of the same
+  replicas (no admission control), when its venv is there (``loadtest/peers.py``).
 
 Both are judged against the same objectives: a request *meets* its SLO when it succeeded
 with TTFT ≤ its class's objective; a 429 is a miss. Goodput = requests meeting their SLO
@@ -90,11 +94,13 @@ def _sim_args() -> list[str]:
     return ["--max-num-seqs", "2", "--kv-blocks", "2048", "--scheduling-policy", "priority"]
 
 
-def _gateway_config() -> Path:
-    path = Path(tempfile.gettempdir()) / "llm-gateway-slo-bench.yaml"
-    path.write_text(
-        "admission:\n  queue_timeout_s: 5\n  engine_priority: {critical: -10, standard: 0, sheddable: 10}\n"
-    )
+def _gateway_config(policy: str) -> Path:
+    path = Path(tempfile.gettempdir()) / f"llm-gateway-slo-bench-{policy}.yaml"
+    text = "admission:\n  queue_timeout_s: 5\n"
+    text += "  engine_priority: {critical: -10, standard: 0, sheddable: 10}\n"
+    if policy == "slo-aware":
+        text += "  slo: {drop_overdue: true}\n"
+    path.write_text(text)
     return path
 
 
@@ -143,16 +149,21 @@ async def _measure_capacity(duration_s: float) -> float:
 
 async def _run(policy: str, replicas_n: int, rate: float, count: int, duration_s: float) -> dict[str, Any]:
     replicas = await start_replicas(replicas_n, _sim_args())
-    procs = list(replicas)
+    procs: list[Any] = list(replicas)
     try:
-        preset = "slo-aware" if policy == "slo-aware" else "prefix-aware"
-        gateway = await start_gateway(
-            [r.url for r in replicas], ["--policy", preset, "--config", str(_gateway_config())]
-        )
-        procs.append(gateway)
+        urls = [r.url for r in replicas]
+        if policy == "sglang-router":
+            from loadtest.harness.ports import free_port
+            from loadtest.peers import start_peer
+
+            front = await start_peer("sglang-router", free_port(), urls, "cache_aware")
+        else:
+            preset = "slo-aware" if policy == "slo-aware" else "prefix-aware"
+            front = await start_gateway(urls, ["--policy", preset, "--config", str(_gateway_config(policy))])
+        procs.append(front)
         workload = SloMixWorkload(num_requests=count, with_slo=policy == "slo-aware", model=MODEL, seed=5)
         result = await run_benchmark(
-            workload, GatewayTarget(gateway.url, label=policy), rate=rate, max_requests=count,
+            workload, GatewayTarget(front.url, label=policy), rate=rate, max_requests=count,
             deadline_s=duration_s + 30, progress=False, name=policy,
         )  # fmt: skip
         span = duration_s if math.isfinite(rate) else result.duration_s
@@ -168,8 +179,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     loads = [float(x) for x in args.loads.split(",")]
     plan = [(f"{x:g}x", 4, x * capacity, max(1, int(x * capacity * args.duration))) for x in loads]
     plan.append(("burst 150 from idle (2x2 slots)", 2, math.inf, 150))
+    from loadtest.peers import peer_available
+
+    policies = ["default", "slo-aware"] + (["sglang-router"] if peer_available("sglang-router") else [])
+    if not args.burst:
+        plan.pop()
     for label, replicas_n, rate, count in plan:
-        for policy in ("default", "slo-aware"):
+        for policy in policies:
             row = await _run(policy, replicas_n, rate, count, args.duration)
             row.update(load=label, policy=policy)
             out["runs"].append(row)
@@ -205,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default="0.8,1.5,3", help="multiples of the measured capacity")
     parser.add_argument("--capacity-s", type=float, default=8.0, help="closed-loop capacity measurement")
     parser.add_argument("--out", default="bench-results/slo")
+    parser.add_argument("--no-burst", dest="burst", action="store_false", help="skip the burst rows")
     args = parser.parse_args(argv)
     from gateway.http.server import install_uvloop
 
