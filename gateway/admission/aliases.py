@@ -4,7 +4,9 @@ A request for an alias gets one of its targets, by weight; the body's ``model`` 
 rewritten (:func:`~gateway.admission.queue.rewrite_body`, as degrade's model switch) so
 the engine sees the model it serves. A request with a session keeps one target for the
 whole session (the choice is a hash of the session id, so a conversation does not flip
-between model versions and lose its KV cache); one without draws at random. Targets with
+between model versions and lose its KV cache); one without draws at random. A Responses
+continuation picks among the targets the replica storing its chain serves (``serves``): the
+chain cannot move, so neither may its model. Targets with
 no healthy endpoint are skipped while another can serve. Weights change on a config
 reload (:meth:`ModelAliases.reconfigure`); counted per alias and target in
 ``llm_gateway_model_alias_requests_total``.
@@ -87,8 +89,14 @@ class ModelAliases:
     def __bool__(self) -> bool:
         return bool(self._splits)
 
-    def resolve(self, request: InferenceRequest) -> str | None:
-        """Rewrite an alias to one of its targets; returns the target (None: not an alias)."""
+    def is_alias(self, model: str) -> bool:
+        return model in self._splits
+
+    def resolve(self, request: InferenceRequest, serves: Callable[[str], bool] | None = None) -> str | None:
+        """Rewrite an alias to one of its targets; returns the target (None: not an alias).
+
+        ``serves``: only targets it accepts (a stored chain's replica), unless it accepts none.
+        """
         split = self._splits.get(request.model)
         if split is None:
             return None
@@ -96,7 +104,10 @@ class ModelAliases:
             point = zlib.crc32(request.session_id.encode()) / 2**32
         else:
             point = self._rng.random()
-        target = split.pick(point, self._usable)
+        usable = self._usable
+        if serves is not None and any(serves(m) for m in split.models):
+            usable = serves
+        target = split.pick(point, usable)
         self._counter.labels(request.model, target).inc()
         request.body["model"] = target
         request.model = target

@@ -57,11 +57,15 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
             decision, charged = await auth.limit(tenant, request)
             limit_headers = decision.headers()
         aliases = state.aliases
-        if aliases and (target := aliases.resolve(request)) is not None:
+        stored: Endpoint | None = None
+        if aliases and aliases.is_alias(request.model):  # a Responses chain keeps its replica's target
+            stored = await stored_replica(state, request)
+        serves = stored.serves if stored is not None else None
+        if aliases and (target := aliases.resolve(request, serves)) is not None:
             limit_headers["x-gateway-model"] = target  # keys allow the alias; the engine sees its target
         failed = True
         try:
-            response = await _route(state, http_request, request, limit_headers)
+            response = await _route(state, http_request, request, limit_headers, stored)
             failed = response.status >= 400
             return response
         finally:
@@ -72,11 +76,16 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
 
 
 async def _route(
-    state: GatewayState, http_request: web.Request, request: InferenceRequest, extra: dict[str, str]
+    state: GatewayState,
+    http_request: web.Request,
+    request: InferenceRequest,
+    extra: dict[str, str],
+    stored: Endpoint | None = None,
 ) -> web.StreamResponse:
     """Admission, scheduling and the proxy, for a request that passed authentication and limits."""
     _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
-    stored = await stored_replica(state, request)  # Responses: the replica holding the chain
+    if stored is None:
+        stored = await stored_replica(state, request)  # Responses: the replica holding the chain
     ticket = await state.admission.admit(request)
     try:
         candidates = [stored] if stored is not None else _candidates(state, request.model)
