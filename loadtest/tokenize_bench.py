@@ -9,7 +9,10 @@ Chat requests whose prompt (after the tiny Llama's chat template) is ~1k and ~8k
 new one per request (no cache anywhere). Local: the gateway's path as a request sees it —
 render + encode in the tokenizer thread pool, awaited from the event loop — and, for
 reference, the same work inline. Engine: ``POST /tokenize`` over one keep-alive
-connection. p50/p99 per request; the tokens of every request are checked equal.
+connection. p50/p99 per request; the tokens of every request are checked equal. "next turn":
+the same conversation one turn later, its start tokenized just before (the prefix cache of
+:mod:`gateway.prefix.prefix_tokens`, which needs turn delimiters that are special tokens:
+``--chat-markers`` builds the tiny tokenizer with its ``<|role|>`` markers as such).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def body(tok: LocalTokenizer, target: int, seed: int) -> dict[str, Any]:
             {"role": "system", "content": f"Request {seed}. " + " ".join(words)},
             {"role": "user", "content": f"question {seed}: which of these?"},
         ]
-        if len(tok.chat_tokens({"messages": messages})) >= target:
+        if len(tok.encode(tok.chat_text({"messages": messages}), False)) >= target:  # no prefix cache
             return {"messages": messages}
 
 
@@ -60,23 +63,32 @@ async def measure(args: argparse.Namespace, url: str, tok: LocalTokenizer) -> li
             bodies = [body(tok, target, 1000 * target + i) for i in range(args.requests)]
             timings: dict[str, list[float]] = {
                 "local (pool, awaited)": [],
-                "local (inline)": [],
+                "local (inline, no prefix cache)": [],
                 "/tokenize": [],
+                "local, next turn (pool, awaited)": [],
             }
-            equal = 0
+            equal = equal_next = 0
             for b in bodies:
                 started = time.perf_counter()
                 mine = await loop.run_in_executor(pool, tok.chat_tokens, b)
                 timings["local (pool, awaited)"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                tok.chat_tokens(b)
-                timings["local (inline)"].append(time.perf_counter() - started)
+                tok.encode(tok.chat_text(b), False)
+                timings["local (inline, no prefix cache)"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 async with session.post(url + "/tokenize", json={"model": args.model, **b}) as resp:
                     resp.raise_for_status()
                     theirs = (await resp.json())["tokens"]
                 timings["/tokenize"].append(time.perf_counter() - started)
                 equal += mine == theirs
+                # the conversation's next turn: its first part was tokenized just above
+                nxt = {"messages": [*b["messages"], {"role": "assistant", "content": "the stone arch"},
+                                    {"role": "user", "content": "and the next one?"}]}  # fmt: skip
+                started = time.perf_counter()
+                mine = await loop.run_in_executor(pool, tok.chat_tokens, nxt)
+                timings["local, next turn (pool, awaited)"].append(time.perf_counter() - started)
+                async with session.post(url + "/tokenize", json={"model": args.model, **nxt}) as resp:
+                    equal_next += mine == (await resp.json())["tokens"]
             engine_p50 = statistics.median(timings["/tokenize"])
             for path, values in timings.items():
                 rows.append({
@@ -85,7 +97,7 @@ async def measure(args: argparse.Namespace, url: str, tok: LocalTokenizer) -> li
                     "p50_ms": 1000 * statistics.median(values),
                     "p99_ms": 1000 * pct(values, 0.99),
                     "vs_tokenize": statistics.median(values) / engine_p50,
-                    "equal": f"{equal}/{len(bodies)}",
+                    "equal": f"{equal_next if 'next' in path else equal}/{len(bodies)}",
                 })  # fmt: skip
     pool.shutdown()
     return rows
@@ -93,7 +105,11 @@ async def measure(args: argparse.Namespace, url: str, tok: LocalTokenizer) -> li
 
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="tokenize-bench-") as tmp:
-        directory = Path(args.tokenizer) if args.tokenizer else build_tokenizer(Path(tmp) / "tokenizer")
+        directory = (
+            Path(args.tokenizer)
+            if args.tokenizer
+            else build_tokenizer(Path(tmp) / "tokenizer", chat_markers=args.chat_markers)
+        )
         tok = LocalTokenizer(directory)
         procs: list[Any] = []
         replicas: list[Any] = []
@@ -139,6 +155,9 @@ def main() -> None:
     parser.add_argument("--model", default="sim-llama")
     parser.add_argument("--tokenizer", default="", help="tokenizer directory (default: the tiny Llama's)")
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument(
+        "--chat-markers", action="store_true", help="the tiny tokenizer with <|role|> as special tokens"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 8000])
     asyncio.run(main_async(parser.parse_args()))
 

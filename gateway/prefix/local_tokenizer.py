@@ -27,6 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from gateway.prefix.chat_template import Unsupported, conversation, render
+from gateway.prefix.prefix_tokens import PrefixTokens
 from gateway.prefix.template_format import content_format
 
 __all__ = ["LocalTokenizer", "find_tokenizer_dir", "hf_cache_dirs", "is_tokenizer_dir"]
@@ -122,11 +123,12 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | dict[str, s
 class LocalTokenizer:
     """One model's tokenizer and chat template, as the engine loads them."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, prefix_entries: int = 1024) -> None:
         self.directory = directory
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        self._encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         config = _read_json(directory / "tokenizer_config.json")
         special_map = _read_json(directory / "special_tokens_map.json")
         self.special_tokens: dict[str, str] = {}
@@ -147,6 +149,7 @@ class LocalTokenizer:
         self.template = _chat_template(directory, config)
         self.processor = any((directory / name).is_file() for name in _PROCESSOR_FILES)
         self.tokenizer_class = str(config.get("tokenizer_class", ""))
+        self.prefix = PrefixTokens(self.tokenizer, prefix_entries)  # after the special tokens are added
 
     def _template_for(self, tools: Any) -> str:
         template = self.template
@@ -158,7 +161,8 @@ class LocalTokenizer:
         return template
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        """Ids only (no offsets: ~20 % cheaper); the batch call releases the GIL while it runs."""
+        return self._encode([text], add_special_tokens=add_special_tokens)[0].ids
 
     def chat_text(self, body: dict[str, Any]) -> str:
         """The prompt text vLLM's ``/v1/chat/completions`` renders for ``body``."""
@@ -195,7 +199,10 @@ class LocalTokenizer:
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise Unsupported("add_special_tokens")
-        return self.encode(self.chat_text(body), add_special)
+        text = self.chat_text(body)
+        if not add_special and self.prefix.enabled:
+            return self.prefix.encode(text)  # a next turn re-encodes only its new part
+        return self.encode(text, add_special)
 
     def completion_tokens(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")

@@ -48,7 +48,7 @@ def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return out
 
 
-def _train_tokenizer(out_dir: Path) -> None:
+def _train_tokenizer(out_dir: Path, specials: list[str] = SPECIAL_TOKENS) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -57,7 +57,7 @@ def _train_tokenizer(out_dir: Path) -> None:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -80,12 +80,14 @@ def _train_tokenizer(out_dir: Path) -> None:
     )
 
 
-def build_tokenizer(out_dir: Path) -> Path:
+def build_tokenizer(out_dir: Path, chat_markers: bool = False) -> Path:
     """The tiny model's tokenizer files alone (tokenizer.json + config with its chat template):
-    needs only ``tokenizers``, for the gateway's local tokenizer and the simulator."""
+    needs only ``tokenizers``, for the gateway's local tokenizer and the simulator. With
+    ``chat_markers`` the template's ``<|role|>`` markers are special tokens, as real models'
+    turn delimiters are (a variant: the served tiny model keeps them as text)."""
     if not (out_dir / "tokenizer_config.json").is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
-        _train_tokenizer(out_dir)
+        _train_tokenizer(out_dir, SPECIAL_TOKENS + list(_MARKS) if chat_markers else SPECIAL_TOKENS)
     return out_dir
 
 

@@ -52,7 +52,7 @@ _real: list[LocalTokenizer | None] = []  # [] until first use: LLMGW_SIM_TOKENIZ
 
 def use(directory: str | None) -> None:
     """Tokenize with the real tokenizer in ``directory`` (None: the toy tokenizer)."""
-    _real[:] = [LocalTokenizer(Path(directory)) if directory else None]
+    _real[:] = [LocalTokenizer(Path(directory), prefix_entries=0) if directory else None]  # full encodes
 
 
 def real() -> LocalTokenizer | None:
