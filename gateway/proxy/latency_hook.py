@@ -3,6 +3,8 @@
 - ``on_send``: the replica's state as the routing saw it (it runs first in the chain,
   before this attempt's own in-flight and pending prefill are counted) and the
   prediction for it, into ``request.context.latency``;
+- ``on_headers``: with ``x-gateway-debug: 1``, ``x-gateway-predicted-ttft-ms`` (what routing
+  predicted for the replica that serves it), so a client can measure the model's error;
 - ``on_first_byte``: the TTFT of a streamed answer → the model and the predicted-vs-observed
   histograms; met or missed for a request with a TTFT objective (streamed or not);
 - ``on_usage``: the completion token count; ``on_done``: the time per output token of a
@@ -37,6 +39,12 @@ class LatencyHook(RequestHooks):
             return
         uncached = self._prefix.uncached_tokens(request, endpoint)
         request.context.latency = self._model.sample(endpoint, uncached)
+
+    def on_headers(self, request: InferenceRequest, endpoint: Endpoint, headers: dict[str, str]) -> None:
+        sample = request.context.latency
+        if request.debug and sample is not None and sample.endpoint == endpoint.name:
+            predicted = sample.predicted_ttft_ms * self._model.class_bias(request.priority)
+            headers["x-gateway-predicted-ttft-ms"] = f"{predicted:.1f}"
 
     def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         now = time.monotonic()
