@@ -55,6 +55,9 @@ class EndpointConfig(_Strict):
     )
     tls_ca_file: str | None = Field(None, description="https: PEM CA bundle; default: the system's CAs")
     tls_verify: bool = Field(True, description="https: verify the certificate and host name")
+    data_parallel_size: int | None = Field(
+        None, ge=1, le=1024, description="vLLM --data-parallel-size; none: learned from its engine label"
+    )
     kv_events: KVEventSourceConfig | None = Field(
         None, description="its KV-event stream, instead of what its GET /kv_event_sources says"
     )

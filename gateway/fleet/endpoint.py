@@ -80,6 +80,11 @@ class Endpoint:
     ssl_context: ssl.SSLContext | None = None
     max_num_seqs: int | None = None  # configured batch capacity (the engine does not export it)
     kv_events: KVEventSourceConfig | None = None  # its KV-event stream, configured (else discovered)
+    # vLLM --data-parallel-size: N schedulers behind this URL, each a routing target (fleet/dp.py).
+    data_parallel_size: int | None = None  # configured; else learned from the engine="<rank>" series
+    dp_rank: int | None = None  # on a rank target: sent as X-data-parallel-rank
+    replica: Endpoint | None = None  # on a rank target: its URL's endpoint (health, breaker, drain)
+    rank_targets: tuple[Endpoint, ...] = ()  # on a data-parallel replica: its ranks (routed instead)
     # Runtime state.
     discovered_models: frozenset[str] = frozenset()
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> base model (/v1/models)
@@ -107,6 +112,13 @@ class Endpoint:
     def __post_init__(self) -> None:
         self.base_url = public_url(self.url).rstrip("/")
         self.name = self.base_url.split("://", 1)[-1]
+        if self.dp_rank is not None:
+            self.name += f"#dp{self.dp_rank}"
+
+    @property
+    def owner(self) -> Endpoint:
+        """The URL's endpoint: itself, or a rank target's replica (per-URL state lives there)."""
+        return self.replica or self
 
     @property
     def models(self) -> frozenset[str]:

@@ -40,6 +40,7 @@ class HealthTracker:
 
     def record(self, endpoint: Endpoint, ok: bool) -> bool:
         """Apply thresholds; return True when the endpoint's health flipped."""
+        endpoint = endpoint.owner  # health is per URL: a DP rank target's is its replica's
         if ok:
             endpoint.consecutive_successes += 1
             endpoint.consecutive_failures = 0

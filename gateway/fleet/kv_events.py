@@ -35,7 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
 from gateway.fleet.endpoint import Endpoint
-from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_batch, decode_seq
+from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_ranked_batch, decode_seq
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.ops.tasks import supervise
@@ -66,14 +66,20 @@ def _on_host(address: str | None, host: str) -> str | None:
     return f"{scheme}://{bound}:{port}"
 
 
-def source_from(raw: Any, host: str) -> KVEventSource | None:
-    """A vLLM KVEventsConfig, or several keyed by DP rank (vLLM 0.32) or listed: the first rank's."""
+def source_from(raw: Any, host: str, rank: int | None = None) -> KVEventSource | None:
+    """A vLLM KVEventsConfig, or several keyed by DP rank (vLLM 0.32) or listed: the first rank's,
+    or rank ``rank``'s (a data-parallel rank target; a single config: its ports offset by the rank)."""
     if isinstance(raw, dict) and isinstance(raw.get("sources", raw.get("data")), list):
         raw = raw.get("sources", raw.get("data"))
+    offset = 0
     if isinstance(raw, dict) and raw and all(isinstance(k, str) and k.isdigit() for k in raw):
-        raw = raw[min(raw, key=int)]  # vLLM 0.32: {"<dp rank>": KVEventsConfig, ...}
-    if isinstance(raw, list):
-        raw = raw[0] if raw else None
+        # vLLM 0.32: {"<dp rank>": KVEventsConfig, ...}
+        raw = raw[min(raw, key=int)] if rank is None else raw.get(str(rank))
+    elif isinstance(raw, list):
+        index = 0 if rank is None else rank
+        raw = raw[index] if 0 <= index < len(raw) else None
+    elif rank is not None:
+        offset = rank  # one config for every rank: vLLM's offset_endpoint_port
     if isinstance(raw, KVEventSourceConfig):
         if not raw.enabled:
             return None
@@ -88,10 +94,15 @@ def source_from(raw: Any, host: str) -> KVEventSource | None:
     replay = raw.get("replay_endpoint")
     topic = raw.get("topic") or ""
     return KVEventSource(
-        _on_host(endpoint, host) or endpoint,
-        _on_host(replay, host) if isinstance(replay, str) else None,
+        _offset(_on_host(endpoint, host) or endpoint, offset) or endpoint,
+        _offset(_on_host(replay, host), offset) if isinstance(replay, str) else None,
         topic if isinstance(topic, str) else "",
     )
+
+
+def _offset(address: str | None, by: int) -> str | None:
+    head, _, port = (address or "").rpartition(":")
+    return f"{head}:{int(port) + by}" if by and port.isdigit() else address
 
 
 async def discover_source(
@@ -110,7 +121,7 @@ async def discover_source(
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError):
         return None
-    return source_from(body, host)
+    return source_from(body, host, endpoint.dp_rank)  # a DP rank target: its rank's entry
 
 
 class KVEventSubscriber:
@@ -134,7 +145,7 @@ class KVEventSubscriber:
         self.config = config
         self._on_crash = on_crash
         self._reconcile_s = reconcile_s
-        self._tasks: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}
+        self._tasks: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}  # by target name
         self._ctx: zmq.asyncio.Context | None = None
 
     async def run(self) -> None:
@@ -153,31 +164,33 @@ class KVEventSubscriber:
             self._ctx = None
 
     def reconcile(self) -> None:
-        current = {e.url: e for e in self._registry}
-        for url, (endpoint, task) in list(self._tasks.items()):
-            if current.get(url) is not endpoint:
+        # One stream per routing target: a replica, or each data-parallel rank of one (fleet/dp.py).
+        current = {e.name: e for e in self._registry.targets()}
+        for key, (endpoint, task) in list(self._tasks.items()):
+            if current.get(key) is not endpoint:
                 task.cancel()
-                del self._tasks[url]
+                del self._tasks[key]
                 self.sink.clear(endpoint.name, "removed")
                 self.metrics.forget(endpoint.name)
-        for url, endpoint in current.items():
-            if url not in self._tasks:
+        for key, endpoint in current.items():
+            if key not in self._tasks:
                 name = f"kv-events-{endpoint.name}"
                 task = asyncio.get_running_loop().create_task(
                     supervise(name, lambda e=endpoint: self._follow(e), on_crash=self._on_crash), name=name
                 )
-                self._tasks[url] = (endpoint, task)
+                self._tasks[key] = (endpoint, task)
 
     async def _follow(self, endpoint: Endpoint) -> None:
         while True:
-            if endpoint.kv_events is not None:
-                source = source_from(endpoint.kv_events, urlsplit(endpoint.base_url).hostname or "")
+            if endpoint.owner.kv_events is not None:
+                host = urlsplit(endpoint.base_url).hostname or ""
+                source = source_from(endpoint.owner.kv_events, host, endpoint.dp_rank)
             elif self.config.discover:
                 source = await discover_source(self._session, endpoint, self.config.replay_timeout_s)
             else:
                 source = None
             if source is not None and self._ctx is not None:
-                await _Stream(self, endpoint.name, source, self._ctx).run()
+                await _Stream(self, endpoint.name, source, self._ctx, endpoint.dp_rank).run()
             else:
                 self.sink.set_live(endpoint.name, False)
             await asyncio.sleep(self.config.rediscover_s if source is None else 0.1)
@@ -186,8 +199,16 @@ class KVEventSubscriber:
 class _Stream:
     """One connection to one publisher; returns after being disconnected for ``rediscover_s``."""
 
-    def __init__(self, owner: KVEventSubscriber, name: str, source: KVEventSource, ctx: zmq.asyncio.Context):
+    def __init__(
+        self,
+        owner: KVEventSubscriber,
+        name: str,
+        source: KVEventSource,
+        ctx: zmq.asyncio.Context,
+        rank: int | None = None,
+    ):
         self.owner, self.name, self.source, self.ctx = owner, name, source, ctx
+        self.rank = rank  # a DP rank target's: batches of another rank are refused
         self.sink, self.metrics, self.config = owner.sink, owner.metrics, owner.config
         self.expected: int | None = None  # next sequence number wanted; None: not synced
         self.connected = False
@@ -274,7 +295,7 @@ class _Stream:
 
     async def _on_message(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            batch = self._decode(payload)
         except DecodeError as exc:
             self._malformed(str(exc))
             return
@@ -288,6 +309,13 @@ class _Stream:
             if seq < self.expected:
                 return
         self._apply(seq, batch)
+
+    def _decode(self, payload: bytes) -> tuple[float, list[Any], list[str]]:
+        """A batch; one of another DP rank than this stream's is kept in sequence but emptied."""
+        ts, events, errors, rank = decode_ranked_batch(payload)
+        if self.rank is not None and rank is not None and rank != self.rank:
+            return ts, [], [*errors, f"a batch of data_parallel_rank {rank} on rank {self.rank}'s stream"]
+        return ts, events, errors
 
     def _apply(self, seq: int, batch: tuple[float, list[Any], list[str]], *, replayed: bool = False) -> None:
         ts, events, errors = batch
@@ -324,7 +352,7 @@ class _Stream:
             if seq < self.expected:
                 continue
             try:
-                batch = decode_batch(payload)
+                batch = self._decode(payload)
             except DecodeError as exc:
                 self._malformed(str(exc))
                 continue

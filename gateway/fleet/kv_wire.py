@@ -28,6 +28,7 @@ __all__ = [
     "KVEventSink",
     "UnknownEvent",
     "decode_batch",
+    "decode_ranked_batch",
     "decode_seq",
 ]
 
@@ -100,14 +101,20 @@ def decode_seq(frame: bytes) -> int:
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], list[str]]:
     """``(ts, events, errors)``: the batch's events in order, and why any event was skipped."""
+    ts, events, errors, _ = decode_ranked_batch(payload)
+    return ts, events, errors
+
+
+def decode_ranked_batch(payload: bytes) -> tuple[float, list[KVEvent], list[str], int | None]:
+    """:func:`decode_batch` plus the batch's ``data_parallel_rank`` (None: absent or not an int)."""
     try:
         batch = _DECODER.decode(payload)
     except (msgspec.DecodeError, ValueError) as exc:
         raise DecodeError(f"not msgpack: {exc}") from None
     if isinstance(batch, dict):
-        ts, raw_events = batch.get("ts"), batch.get("events")
+        ts, raw_events, rank = batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
     elif isinstance(batch, list) and len(batch) >= 2:
-        ts, raw_events = batch[0], batch[1]
+        ts, raw_events, rank = batch[0], batch[1], batch[2] if len(batch) > 2 else None
     else:
         raise DecodeError("an EventBatch is [ts, events, ...] or {ts, events, ...}")
     if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(raw_events, list):
@@ -119,7 +126,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent], list[str]]:
             events.append(_event(raw))
         except DecodeError as exc:
             errors.append(str(exc))
-    return float(ts), events, errors
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    return float(ts), events, errors, rank
 
 
 def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from gateway.config import EndpointConfig
+from gateway.fleet.dp import carry_targets
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.registry import EndpointRegistry, endpoint_from_config
 
@@ -113,3 +114,4 @@ def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
     endpoint.metrics = previous.metrics
     endpoint.draining = previous.draining
     endpoint.ejected = previous.ejected
+    carry_targets(previous, endpoint)

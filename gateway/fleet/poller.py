@@ -14,6 +14,7 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.config import ScrapeConfig
+from gateway.fleet.dp import update_rank_loads
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.registry import EndpointRegistry
 from gateway.fleet.scraper import parse_engine_metrics
@@ -57,6 +58,8 @@ class MetricsPoller:
         for endpoint in endpoints:
             m = endpoint.metrics
             m.stale = m.scraped_at == 0 or now - m.scraped_at > self._config.stale_after_s
+            for target in endpoint.rank_targets:
+                target.metrics.stale = m.stale
             if endpoint in self._registry:  # removed while scraped: its series are gone, keep them so
                 self._metrics.endpoint_metrics_stale.labels(endpoint.name).set(1 if m.stale else 0)
 
@@ -93,6 +96,24 @@ class MetricsPoller:
         self._detect_restart(endpoint, load.restart_marker)
         if self._on_scraped:
             self._on_scraped(endpoint)
+        self._scraped_ranks(endpoint, text)
+
+    def _scraped_ranks(self, endpoint: Endpoint, text: str) -> None:
+        """Data parallel (fleet/dp.py): each rank's load and gauges; dropped ranks forgotten."""
+        changed, dropped = update_rank_loads(endpoint, text)
+        if changed:
+            log.warning("endpoint %s: now %d data-parallel ranks", endpoint.name, len(endpoint.rank_targets))
+            self._registry.rebuild()
+        for target in dropped:
+            self._metrics.forget_endpoint(target.name)
+            if self._on_restart:
+                self._on_restart(target)  # what the index held for it is gone
+        for target in endpoint.rank_targets:
+            self._metrics.endpoint_waiting.labels(target.name).set(target.metrics.waiting or 0)
+            self._metrics.endpoint_running.labels(target.name).set(target.metrics.running or 0)
+            self._metrics.endpoint_kv_usage.labels(target.name).set(target.metrics.kv_usage or 0)
+            if self._on_scraped:
+                self._on_scraped(target)
 
     def _detect_restart(self, endpoint: Endpoint, marker: float | None) -> None:
         if marker is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from gateway.config import ConfigError, EndpointConfig
+from gateway.fleet.dp import set_ranks, sync_targets
 from gateway.fleet.endpoint import Endpoint, EngineKind, Role, public_url
 
 __all__ = ["EndpointRegistry", "endpoint_from_config", "endpoint_ssl_context", "upstream_auth_header"]
@@ -85,6 +86,7 @@ def endpoint_from_config(cfg: EndpointConfig) -> Endpoint:
         ssl_context=endpoint_ssl_context(cfg),
         max_num_seqs=cfg.max_num_seqs,
         kv_events=cfg.kv_events,
+        data_parallel_size=cfg.data_parallel_size,
     )
 
 
@@ -97,7 +99,7 @@ class EndpointRegistry:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._known_models: frozenset[str] = frozenset()
         for endpoint in endpoints:
-            self._endpoints[endpoint.url] = endpoint
+            self.add(endpoint, rebuild=False)
         self.rebuild()
 
     def __iter__(self):
@@ -107,13 +109,25 @@ class EndpointRegistry:
         return len(self._endpoints)
 
     def __contains__(self, endpoint: object) -> bool:
-        """This very endpoint object is a member (not a replaced or removed one with the same URL)."""
-        return isinstance(endpoint, Endpoint) and self._endpoints.get(endpoint.url) is endpoint
+        """This very endpoint object is a member (not a replaced or removed one with the same URL),
+        or a current rank target of one."""
+        if not isinstance(endpoint, Endpoint):
+            return False
+        member = self._endpoints.get(endpoint.url)
+        if member is endpoint:
+            return True
+        return member is not None and endpoint.replica is member and endpoint in member.rank_targets
+
+    def targets(self) -> list[Endpoint]:
+        """Every routing target: each replica, or each of its data-parallel ranks instead."""
+        return [t for e in self._endpoints.values() for t in (e.rank_targets or (e,))]
 
     def get(self, url: str) -> Endpoint | None:
         return self._endpoints.get(url)
 
     def add(self, endpoint: Endpoint, *, rebuild: bool = True) -> None:
+        if endpoint.data_parallel_size is not None:  # configured: its ranks route from the start
+            set_ranks(endpoint, range(endpoint.data_parallel_size))
         self._endpoints[endpoint.url] = endpoint
         if rebuild:
             self.rebuild()
@@ -130,9 +144,10 @@ class EndpointRegistry:
         known: set[str] = set()
         for endpoint in self._endpoints.values():
             known.update(endpoint.models)
+            sync_targets(endpoint)
             if endpoint.healthy and not endpoint.ejected and not endpoint.draining:
                 for model in endpoint.models:
-                    by_model.setdefault(model, []).append(endpoint)
+                    by_model.setdefault(model, []).extend(endpoint.rank_targets or (endpoint,))
         self._by_model = by_model
         self._known_models = frozenset(known)
 

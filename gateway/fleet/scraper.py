@@ -67,8 +67,11 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None
 
 
-def parse_engine_metrics(text: str, engine: EngineKind) -> ScrapedLoad:
-    """Sum across label sets (several models or engines behind one port add up)."""
+def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None) -> ScrapedLoad:
+    """Sum across label sets (several models or engines behind one port add up).
+
+    ``rank``: only the series of that data-parallel rank (``engine="<rank>"``; unlabelled ones
+    are kept)."""
     families = _FAMILIES[engine]
     load = ScrapedLoad()
     sums: dict[str, float] = {}
@@ -81,6 +84,8 @@ def parse_engine_metrics(text: str, engine: EngineKind) -> ScrapedLoad:
             load.lora = lora_load(family.samples)
             continue
         for sample in family.samples:
+            if rank is not None and sample.labels.get("engine", rank) != rank:
+                continue
             if field != "cache_config" and not math.isfinite(sample.value):
                 continue  # NaN/Inf is "not reported", never a load value
             if field == "cache_config":

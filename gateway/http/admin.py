@@ -54,7 +54,24 @@ def endpoint_row(state: GatewayState, endpoint: Endpoint, now: float) -> dict[st
         "adapters": dict(endpoint.adapters),  # LoRA adapter -> base model
         "lora": _lora(m.lora),
         "adapters_in_flight": dict(endpoint.adapters_in_flight),
+        **_ranks(state, endpoint, now),
     }
+
+
+def _lora(load: LoraLoad | None) -> dict[str, Any] | None:
+    """Adapters in use, as last scraped (vllm:lora_requests_info); None: not reported."""
+    if load is None:
+        return None
+    return {"running": sorted(load.running), "waiting": sorted(load.waiting), "max_lora": load.max_lora}
+
+
+def _ranks(state: GatewayState, endpoint: Endpoint, now: float) -> dict[str, Any]:
+    """A data-parallel replica's rank targets (fleet/dp.py), each routed on its own."""
+    if not endpoint.rank_targets:
+        return {}
+    targets = endpoint.rank_targets
+    rows = [{"name": t.name, "dp_rank": t.dp_rank, **endpoint_row(state, t, now)} for t in targets]
+    return {"data_parallel_ranks": rows}
 
 
 def require_admin_key(state: GatewayState, request: web.Request) -> None:
@@ -190,10 +207,3 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/endpoints", remove_endpoint)
     app.router.add_post("/admin/endpoints/drain", drain_endpoint)
     app.router.add_post("/admin/endpoints/undrain", undrain_endpoint)
-
-
-def _lora(load: LoraLoad | None) -> dict[str, Any] | None:
-    """Adapters in use, as last scraped (vllm:lora_requests_info); None: not reported."""
-    if load is None:
-        return None
-    return {"running": sorted(load.running), "waiting": sorted(load.waiting), "max_lora": load.max_lora}

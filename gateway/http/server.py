@@ -148,7 +148,7 @@ async def _serve_one(config: GatewayConfig, reuse_port: bool, reload: ReloadSour
     )
     await stop.wait()
     state.shutting_down = True
-    in_flight = sum(e.in_flight for e in state.registry)
+    in_flight = sum(e.in_flight for e in state.registry.targets())
     log.info("shutting down: not ready; draining %.1f s (%d requests in flight)", server.drain_s, in_flight)
     await asyncio.sleep(state.config.server.drain_s)
     for task in tasks:

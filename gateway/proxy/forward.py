@@ -28,6 +28,7 @@ from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout
+from gateway.fleet.dp import RANK_HEADER
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
@@ -249,6 +250,8 @@ class Proxy:
         headers = {"content-type": content_type, "x-request-id": request.request_id}
         if endpoint.auth_header is not None:
             headers["authorization"] = endpoint.auth_header
+        if endpoint.dp_rank is not None:  # a data-parallel rank target (fleet/dp.py)
+            headers[RANK_HEADER] = str(endpoint.dp_rank)
         wait = None
         first_byte_s = attempt.settings.timeouts.first_byte_s
         try:

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
 from gateway.errors import UpstreamError
+from gateway.fleet.dp import RANK_HEADER
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import Outcome, RequestHooks
@@ -211,4 +212,6 @@ def _headers(request: InferenceRequest, endpoint: Endpoint) -> dict[str, str]:
     headers = {"content-type": "application/json", "x-request-id": request.request_id}
     if endpoint.auth_header is not None:
         headers["authorization"] = endpoint.auth_header
+    if endpoint.dp_rank is not None:  # a data-parallel rank target (fleet/dp.py)
+        headers[RANK_HEADER] = str(endpoint.dp_rank)
     return headers

@@ -178,6 +178,7 @@ class CircuitBreakers:
 
     # ---- outcomes reported by the proxy ------------------------------------------
     def on_send(self, endpoint: Endpoint) -> None:
+        endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         if not self._current(endpoint):
             return
         breaker = self._get(endpoint)
@@ -188,6 +189,7 @@ class CircuitBreakers:
 
     def release_probe(self, endpoint: Endpoint) -> None:
         """The probe ended with no verdict (client gone, prefill partner failed): allow another."""
+        endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         breaker = self._breakers.get(endpoint.url)
         if breaker is not None and breaker.state is BreakerState.HALF_OPEN and breaker.probing:
             breaker.probing = False
@@ -196,6 +198,7 @@ class CircuitBreakers:
                 self._registry.rebuild()
 
     def on_success(self, endpoint: Endpoint) -> None:
+        endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         if not self._current(endpoint):
             return
         breaker = self._get(endpoint)
@@ -209,6 +212,7 @@ class CircuitBreakers:
             self._registry.rebuild()
 
     def on_failure(self, endpoint: Endpoint, reason: str) -> None:
+        endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         if not self._current(endpoint):
             return
         now = time.monotonic()
@@ -235,6 +239,7 @@ class CircuitBreakers:
         """Track a wait for the endpoint's first byte. ``queued``: the request may still sit in the
         gateway's own connection pool; its clock starts at ``restart()`` (never stuck before)."""
         wait = FirstByteWait(math.inf if queued else time.monotonic(), timeout)
+        endpoint = endpoint.owner
         if not self._current(endpoint):
             yield wait  # removed from the fleet: nothing to judge any more
             return
@@ -246,12 +251,14 @@ class CircuitBreakers:
             breaker.waits.discard(wait)
 
     def on_first_byte(self, endpoint: Endpoint) -> None:
+        endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         breaker = self._breakers.get(endpoint.url)
         if breaker is not None:
             breaker.last_first_byte = time.monotonic()
 
     def abort_waits(self, endpoint: Endpoint, reason: str) -> int:
         """Cut short every request waiting for this endpoint's first byte (they get re-sent)."""
+        endpoint = endpoint.owner
         breaker = self._breakers.get(endpoint.url)
         if breaker is None:
             return 0

@@ -185,9 +185,10 @@ class KVEventPublisher:
     def send_raw(self, frames: list[bytes]) -> None:
         self._send(frames)
 
-    def inject(self, events: list[Any]) -> None:
-        """Publish ``events`` (any shape) as the next batch in sequence, as if the engine had."""
-        payload = self._encoder.encode([time.time(), events, self._rank])
+    def inject(self, events: list[Any], rank: Any = None) -> None:
+        """Publish ``events`` (any shape) as the next batch in sequence, as if the engine had;
+        ``rank``: another data_parallel_rank in the batch than this publisher's."""
+        payload = self._encoder.encode([time.time(), events, self._rank if rank is None else rank])
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         self._buffer.append((seq, payload))
         self._send([self.topic.encode(), seq.to_bytes(8, "big"), payload])

@@ -1,0 +1,136 @@
+"""Data-parallel ranks as routing targets: a vLLM server with ``--data-parallel-size N``.
+
+Such a server is N schedulers, each with its own KV cache and queue, behind one URL: its
+``vllm:`` series carry ``engine="<rank>"``, each rank publishes its own KV events, and it
+sends a request to the rank named by ``X-data-parallel-rank``. Routing to the URL alone
+leaves the choice of rank to vLLM's load balancer, which knows nothing of prefixes, so
+the cache a request needs is on the other rank about (N−1)/N of the time.
+
+So the replica (the URL's :class:`Endpoint`) gets one *rank target* per rank: an
+``Endpoint`` with the same URL (one connection pool), its own load state (in-flight,
+pending prefill, the scraped series of its rank), its own exact and approximate prefix
+state (keyed by its name ``host:port#dpR``), and ``dp_rank`` sent as the header. Health,
+breakers, drain and models stay per URL, on the replica (``Endpoint.owner``), and are
+copied to its targets on every registry rebuild. The rank set comes from the config's
+``data_parallel_size`` or else from the scrape: the ``engine`` labels of
+``vllm:num_requests_running``. One rank (every non-DP vLLM reports ``engine="0"``) means
+no targets: the replica routes as before, with no header.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gateway.fleet.endpoint import Endpoint, EngineKind
+from gateway.fleet.scraper import parse_engine_metrics
+
+__all__ = ["RANK_HEADER", "engine_ranks", "rank_target", "set_ranks", "sync_targets", "update_rank_loads"]
+
+RANK_HEADER = "x-data-parallel-rank"
+_RUNNING = "vllm:num_requests_running{"
+_MAX_RANKS = 1024
+
+
+def rank_target(replica: Endpoint, rank: int) -> Endpoint:
+    """Rank ``rank`` of ``replica``: the same upstream settings, its own state."""
+    target = Endpoint(
+        url=replica.url,
+        role=replica.role,
+        engine=replica.engine,
+        configured_models=replica.configured_models,
+        labels=dict(replica.labels),
+        bootstrap_port=replica.bootstrap_port,
+        auth_header=replica.auth_header,
+        ssl_context=replica.ssl_context,
+        max_num_seqs=replica.max_num_seqs,  # vLLM's limit is per scheduler, so per rank
+        dp_rank=rank,
+        replica=replica,
+    )
+    sync_target(replica, target)
+    return target
+
+
+def sync_target(replica: Endpoint, target: Endpoint) -> None:
+    target.healthy = replica.healthy
+    target.ejected = replica.ejected
+    target.draining = replica.draining
+    target.discovered_models = replica.discovered_models
+
+
+def sync_targets(replica: Endpoint) -> None:
+    """Per-URL state onto the rank targets (called by every registry rebuild).
+
+    A replica that goes down loses learned ranks: it may come back with another
+    ``--data-parallel-size``, and a header naming a rank it no longer has is a 400. Until
+    its next scrape it routes as one target, without the header."""
+    if not replica.healthy and replica.data_parallel_size is None:
+        replica.rank_targets = ()
+    for target in replica.rank_targets:
+        sync_target(replica, target)
+
+
+def set_ranks(replica: Endpoint, ranks: Sequence[int]) -> list[Endpoint]:
+    """Give ``replica`` targets for ``ranks`` (none for fewer than two); returns the dropped ones.
+
+    Targets of ranks that stay are kept with their state; a rank count change (a restart
+    with another ``--data-parallel-size``) adds or drops only the difference.
+    """
+    wanted = sorted(set(ranks)) if len(set(ranks)) > 1 else []
+    current = {t.dp_rank: t for t in replica.rank_targets}
+    if [t.dp_rank for t in replica.rank_targets] == wanted:
+        return []
+    replica.rank_targets = tuple(current.get(r) or rank_target(replica, r) for r in wanted)
+    return [t for r, t in current.items() if r not in wanted]
+
+
+def carry_targets(previous: Endpoint, endpoint: Endpoint) -> None:
+    """A replica rebuilt by a config change keeps its ranks' names and learned state."""
+    targets = []
+    for old in previous.rank_targets:
+        assert old.dp_rank is not None
+        target = rank_target(endpoint, old.dp_rank)
+        target.metrics, target.learned_capacity = old.metrics, old.learned_capacity
+        targets.append(target)
+    endpoint.rank_targets = tuple(targets)  # a changed data_parallel_size is applied by the registry
+
+
+def engine_ranks(text: str) -> list[int]:
+    """The ``engine`` label values of ``vllm:num_requests_running`` (one series per DP rank)."""
+    ranks: set[int] = set()
+    for line in text.splitlines():
+        if not line.startswith(_RUNNING):
+            continue
+        _, found, rest = line.partition('engine="')
+        value = rest.partition('"')[0]
+        if found and value.isdigit() and int(value) < _MAX_RANKS:
+            ranks.add(int(value))
+    return sorted(ranks)
+
+
+def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint]]:
+    """After a scrape of ``replica``: its rank set and each target's load; returns (whether the
+    rank set changed, the dropped targets).
+
+    A configured ``data_parallel_size`` fixes the ranks (0..N-1); else the page's engine
+    labels decide, so a replica restarted with another rank count is followed.
+    """
+    if replica.engine is not EngineKind.VLLM:
+        return False, []
+    if replica.data_parallel_size is not None:
+        ranks = list(range(replica.data_parallel_size))
+    else:
+        ranks = engine_ranks(text)
+    before = replica.rank_targets
+    dropped = set_ranks(replica, ranks)
+    now = time.monotonic()
+    for target in replica.rank_targets:
+        load = parse_engine_metrics(text, replica.engine, rank=str(target.dp_rank))
+        m = target.metrics
+        m.waiting, m.running, m.kv_usage = load.waiting, load.running, load.kv_usage
+        if load.block_size is not None:
+            m.block_size, m.num_blocks = load.block_size, load.num_blocks
+        m.scraped_at = now
+        m.in_flight_at_scrape = target.in_flight
+        m.stale = False
+    return replica.rank_targets != before, dropped

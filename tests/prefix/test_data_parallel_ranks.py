@@ -1,0 +1,191 @@
+"""Data-parallel ranks as routing targets (gateway/fleet/dp.py), on simulators with
+``data_parallel_size`` (N schedulers and KV caches behind one port, as vLLM's) and an
+in-process gateway, all on real sockets.
+
+The engine counts the cached tokens, so "the gateway sent it to the rank that holds the
+prefix" is proved by ``usage.prompt_tokens_details.cached_tokens``, and which rank served
+it by the simulator's own per-rank counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from gateway.http.state import STATE
+from loadtest.simulator import RunningSimulator, SimConfig
+from loadtest.simulator.server import start_runner
+from tests.prefix.conftest import GatewayProcessless, gateway_config
+from tests.support.harness import metric_value
+
+MODEL = "sim-llama"
+EXACT = {"exact": "auto", "kv_events": {"rediscover_s": 0.3, "replay_timeout_s": 1.0}}
+
+
+def host(sim: RunningSimulator) -> str:
+    return sim.url.split("://", 1)[1]
+
+
+def registry(gw: GatewayProcessless) -> Any:
+    assert gw.gateway is not None
+    return gw.gateway.app[STATE].registry
+
+
+async def ask(
+    http: aiohttp.ClientSession, gw: GatewayProcessless, text: str, max_tokens: int = 4
+) -> tuple[str, int, int]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"x-gateway-debug": "1"}) as r:
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+        endpoint = r.headers["x-gateway-endpoint"]
+        predicted = int(r.headers["x-gateway-predicted-cached-tokens"])
+    return endpoint, predicted, answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def wait_ranks(gw: GatewayProcessless, sim: RunningSimulator, n: int, *, live: bool = True) -> None:
+    """Until the gateway routes to ``n`` rank targets of ``sim`` (0: the URL alone), events live."""
+    exact = gw.gateway.app[STATE].prefix.exact  # type: ignore[union-attr]
+    want = [f"{host(sim)}#dp{r}" for r in range(n)] if n > 1 else [host(sim)]
+    async with asyncio.timeout(10):
+        while True:
+            names = [t.name for t in registry(gw).targets() if t.url == sim.url and t.healthy]
+            if names == want and (not live or all(exact.index.live(name) for name in want)):
+                return
+            await asyncio.sleep(0.05)
+
+
+def document(i: int) -> str:
+    return f"document {i}: " + " ".join(f"fact{i}x{j}" for j in range(60))
+
+
+async def test_a_repeated_prefix_goes_to_the_rank_that_holds_it(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2, kv_events=True, kv_blocks=512)
+    gw = await start_gateway(gateway_config([sim.url], prefix=EXACT))
+    await wait_ranks(gw, sim, 2)
+    dp = sim.state.dp
+    assert dp is not None
+    first: dict[int, str] = {}
+    for i in range(8):
+        endpoint, _, cached = await ask(http, gw, document(i) + " question one")
+        first[i] = endpoint
+        assert cached == 0
+    assert set(first.values()) == {f"{host(sim)}#dp0", f"{host(sim)}#dp1"}  # both ranks used
+    assert sum(dp.picked) == 8 and min(dp.picked) >= 2  # the simulator agrees: the header was honoured
+    await asyncio.sleep(0.3)  # the events of the first round applied
+    for i in range(8):
+        endpoint, predicted, cached = await ask(http, gw, document(i) + " question two")
+        assert endpoint == first[i]  # the rank holding the document
+        assert cached > 0 and predicted == cached  # engine-counted hit, exactly predicted
+    text = await (await http.get(gw.url + "/metrics")).text()
+    for rank in (0, 1):
+        assert metric_value(text, "llm_gateway_kv_events_applied_total", endpoint=f"{host(sim)}#dp{rank}") > 0
+    async with http.get(gw.url + "/debug/endpoints") as resp:
+        (row,) = (await resp.json())["endpoints"]
+    assert [r["name"] for r in row["data_parallel_ranks"]] == [f"{host(sim)}#dp0", f"{host(sim)}#dp1"]
+    assert row["healthy"] and all(r["healthy"] for r in row["data_parallel_ranks"])
+
+
+async def test_load_spreads_across_ranks(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2, time_scale=5.0)
+    gw = await start_gateway(gateway_config([sim.url], prefix={"exact": "off"}))
+    await wait_ranks(gw, sim, 2, live=False)
+    served = await asyncio.gather(*(ask(http, gw, document(100 + i), max_tokens=30) for i in range(12)))
+    counts = {name: sum(1 for e, _, _ in served if e == name) for name in {e for e, _, _ in served}}
+    assert len(counts) == 2 and min(counts.values()) >= 4, counts
+    assert sim.state.dp is not None and min(sim.state.dp.picked) >= 4
+
+
+async def test_a_single_rank_endpoint_is_routed_as_before(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, kv_events=True)  # vLLM without DP still labels engine="0"
+    gw = await start_gateway(gateway_config([sim.url], prefix=EXACT))
+    await wait_ranks(gw, sim, 1)
+    (target,) = registry(gw).targets()
+    assert target.dp_rank is None and target.replica is None and target.name == host(sim)
+    endpoint, _, _ = await ask(http, gw, document(1))
+    assert endpoint == host(sim)
+    async with http.get(gw.url + "/debug/endpoints") as resp:
+        assert "data_parallel_ranks" not in (await resp.json())["endpoints"][0]
+
+
+async def test_events_of_another_rank_are_refused_and_counted(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2, kv_events=True)
+    gw = await start_gateway(gateway_config([sim.url], prefix=EXACT))
+    await wait_ranks(gw, sim, 2)
+    dp = sim.state.dp
+    assert dp is not None
+    name = f"{host(sim)}#dp1"
+    stored = {"type": "BlockStored", "block_hashes": [77], "parent_block_hash": None,
+              "token_ids": list(range(16)), "block_size": 16}  # fmt: skip
+    for rank in (7, 0, -1):  # out of range, the other rank's, nonsense
+        dp.publishers[1].inject([stored], rank=rank)
+    exact = gw.gateway.app[STATE].prefix.exact  # type: ignore[union-attr]
+    async with asyncio.timeout(5):
+        while True:
+            text = await (await http.get(gw.url + "/metrics")).text()
+            if (metric_value(text, "llm_gateway_kv_events_decode_errors_total", endpoint=name) or 0) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    assert exact.index.size(name) == 0  # none of the foreign blocks was applied
+    assert exact.index.live(name)  # the stream stays in sequence and live
+    _, predicted, cached = await ask(http, gw, document(2))
+    assert predicted == cached == 0
+
+
+async def test_ranks_listed_that_never_publish_fall_back_to_the_approximate_index(
+    start_sims, start_gateway, http
+) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2, kv_events=True)
+    dp = sim.state.dp
+    assert dp is not None
+    await dp.publishers[1].close()  # listed in /kv_event_sources, publishes nothing
+    listed = dp.sources
+    dead = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:9", "topic": "kv-events"}
+    dp.sources = lambda: {**listed(), "2": dead}  # type: ignore[method-assign]  # a rank the engine lacks
+    gw = await start_gateway(gateway_config([sim.url], prefix=EXACT))
+    await wait_ranks(gw, sim, 2, live=False)
+    exact = gw.gateway.app[STATE].prefix.exact  # type: ignore[union-attr]
+    await asyncio.sleep(0.5)
+    assert exact.index.live(f"{host(sim)}#dp0") and not exact.index.live(f"{host(sim)}#dp1")
+    assert len(registry(gw).targets()) == 2  # the listed rank 2 is no target: the engine has 2 ranks
+    for i in range(6):
+        text = document(200 + i)
+        await ask(http, gw, text)
+        _, _, cached = await ask(http, gw, text + " again")
+        assert cached > 0  # either rank: exact on rank 0, approximate on rank 1
+
+
+async def test_a_restart_with_another_rank_count_is_followed(start_gateway, http, stack) -> None:
+    config = SimConfig(port=0, time_scale=20.0, data_parallel_size=2, kv_events=True)
+    runner, sim = await start_runner(config)
+    gw = await start_gateway(gateway_config([sim.url], prefix=EXACT))
+    await wait_ranks(gw, sim, 2)
+    await ask(http, gw, document(300))
+
+    for size in (1, 3):  # the same port, a new server with another --data-parallel-size
+        await runner.cleanup()
+        async with asyncio.timeout(10):
+            while registry(gw).candidates(MODEL):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        config.data_parallel_size = size
+        runner, sim = await start_runner(config)
+        await wait_ranks(gw, sim, size)
+        served = {(await ask(http, gw, document(310 + i)))[0] for i in range(2 * size)}  # never a 400
+        assert served <= {t.name for t in registry(gw).targets()}
+        assert sim.state.dp is None or sum(sim.state.dp.picked) == 2 * size
+    await runner.cleanup()
+
+
+async def test_configured_ranks_route_from_the_first_request(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2)
+    config = gateway_config([sim.url], prefix={"exact": "off"}, scrape={"enabled": False})
+    config = config.model_copy(
+        update={"endpoints": [config.endpoints[0].model_copy(update={"data_parallel_size": 2})]}
+    )
+    gw = await start_gateway(config)
+    await wait_ranks(gw, sim, 2, live=False)
+    served = {(await ask(http, gw, document(400 + i)))[0] for i in range(6)}
+    assert served <= {f"{host(sim)}#dp0", f"{host(sim)}#dp1"} and served
+    assert sim.state.dp is not None and sum(sim.state.dp.picked) == 6
