@@ -135,7 +135,7 @@ def share_sessions_across_workers(
         return
 
     def hashed_pin(session_id: str) -> str | None:
-        names = (e.name for e in registry if e.healthy and e.role is not Role.PREFILL)
+        names = (e.name for e in registry.targets() if e.healthy and e.role is not Role.PREFILL)
         return rendezvous_pick(session_id, names)
 
     store.fallback = hashed_pin
@@ -241,9 +241,9 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         from gateway.auth.tenancy import TenantAuth
 
         state.auth = TenantAuth(config.auth, metrics)
-    metrics.watch_endpoints(lambda: registry, prefix.size, prefix.capacity)
+    metrics.watch_endpoints(registry.targets, prefix.size, prefix.capacity)
     metrics.sessions_active.set_function(sessions.store.active)
-    metrics.registry.register(AutoscaleCollector(lambda: registry, config.autoscale))
+    metrics.registry.register(AutoscaleCollector(registry.targets, config.autoscale))
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
@@ -280,15 +280,17 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     forget_tasks: set[asyncio.Task[None]] = set()
 
     def forget(endpoint: Endpoint) -> None:
-        task = asyncio.get_running_loop().create_task(state.prefix.forget(endpoint))
-        forget_tasks.add(task)
-        task.add_done_callback(forget_tasks.discard)
+        for each in (endpoint, *endpoint.rank_targets):  # a data-parallel replica: every rank's state
+            task = asyncio.get_running_loop().create_task(state.prefix.forget(each))
+            forget_tasks.add(task)
+            task.add_done_callback(forget_tasks.discard)
 
     def on_removed(endpoints: list[Endpoint]) -> None:
         for endpoint in endpoints:
             forget(endpoint)
             state.breakers.forget(endpoint.url)
-            state.metrics.forget_endpoint(endpoint.name)  # its series would be exported forever
+            for each in (endpoint, *endpoint.rank_targets):  # its series would be exported forever
+                state.metrics.forget_endpoint(each.name)
             if state.plugin_context.latency is not None:
                 state.plugin_context.latency.forget(endpoint.name)
             client.remove(endpoint.url)  # idle connections close now, busy ones when done

@@ -42,7 +42,8 @@ def _usable(endpoint: Endpoint) -> bool:
 
 
 def _by_name(state: GatewayState, name: str) -> Endpoint | None:
-    return next((e for e in state.registry if e.name == name), None)
+    # a data-parallel replica's ranks are routed, the replica itself only probed
+    return next((e for e in (*state.registry.targets(), *state.registry) if e.name == name), None)
 
 
 async def _probe(state: GatewayState, response_id: str, request_id: str) -> ResponseRecord | None:
