@@ -1,7 +1,8 @@
 """Exact (KV events) vs approximate vs round-robin routing, same workload, same run.
 
     .venv/bin/python -m loadtest.exact_bench [--replicas 3] [--kv-blocks 256] [--requests 600]
-    .venv/bin/python -m loadtest.exact_bench --tokenizer tiny --arms exact,exact-local,approximate,round-robin
+    .venv/bin/python -m loadtest.exact_bench --tokenizer tiny-markers \\
+        --arms exact,exact-local,approximate,round-robin --requests 200 --rounds 2
 
 Each arm gets fresh simulator processes (``--kv-events``: vLLM's ZMQ KV events) and its
 own ``llm-gateway serve``. The workload is multi-turn chat over shared documents with Zipf
@@ -246,7 +247,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
     parser.add_argument("--dump-metrics", default="", help="print gateway metric lines containing these")
     parser.add_argument(
-        "--tokenizer", default="", help="a tokenizer directory for engines and exact-local (tiny: build one)"
+        "--tokenizer",
+        default="",
+        help="a tokenizer directory for engines and exact-local (tiny, tiny-markers: build one)",
     )
     args = parser.parse_args()
     fleet_tokens = args.replicas * args.kv_blocks * 16
@@ -255,8 +258,9 @@ def main() -> None:
     print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exact-bench-") as tmp:
-        if args.tokenizer == "tiny":
-            args.tokenizer = str(build_tokenizer(Path(tmp) / "tokenizer"))
+        if args.tokenizer in ("tiny", "tiny-markers"):  # -markers: <|role|> are special tokens
+            markers = args.tokenizer == "tiny-markers"
+            args.tokenizer = str(build_tokenizer(Path(tmp) / "tokenizer", chat_markers=markers))
         if args.tokenizer:
             os.environ["LLMGW_SIM_TOKENIZER"] = args.tokenizer  # the simulators inherit it
         for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts

@@ -188,8 +188,8 @@ class EngineTokens:
             if local.recheck_due(request):
                 self._spawn(self._recheck(request.model, mine, endpoint, body))
             return mine
-        engine = await self._ask(endpoint, body)
-        if engine is not None:
+        engine = await self._ask(endpoint, body)  # not yet verified: the engine's answer is used
+        if engine is not None and local.comparable(request):
             local.check(request.model, mine, engine)
         return engine
 

@@ -11,9 +11,10 @@ post-processor of ``tokenizer.json`` as it is (transformers ignores the config's
 ``split_special_tokens``, no truncation or padding. Chat prompts are encoded without
 special tokens (vLLM's chat default), completion prompts with them.
 
-Rendering and encoding run in a small thread pool (``tokenizers`` releases the GIL while
-encoding), never on the event loop. What cannot be reproduced raises
-:class:`~gateway.prefix.chat_template.Unsupported`.
+:meth:`LocalTokenizer.prepare` (render, find a cached cut: tens of microseconds) runs on the
+event loop, :meth:`LocalTokenizer.finish` (the encoding) in a small thread pool when there
+is much to encode (``tokenizers`` releases the GIL while encoding; :mod:`.local_tokens`).
+What cannot be reproduced raises :class:`~gateway.prefix.chat_template.Unsupported`.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
 from gateway.prefix.chat_template import Unsupported, conversation, render
-from gateway.prefix.prefix_tokens import PrefixTokens
+from gateway.prefix.prefix_tokens import Plan, PrefixTokens
 from gateway.prefix.template_format import content_format
 
-__all__ = ["LocalTokenizer", "find_tokenizer_dir", "hf_cache_dirs", "is_tokenizer_dir"]
+__all__ = ["LocalTokenizer", "Prepared", "find_tokenizer_dir", "hf_cache_dirs", "is_tokenizer_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -195,23 +197,46 @@ class LocalTokenizer:
         chat = conversation(messages, content_format(source))
         return render(source, chat, special_tokens=self.special_tokens, kwargs=kwargs, tools=tool_dicts)
 
-    def chat_tokens(self, body: dict[str, Any]) -> list[int]:
+    def prepare(self, api: str, body: dict[str, Any]) -> Prepared:
+        """The cheap part, fit for the event loop: the prompt text and where encoding starts."""
+        if api != "chat":
+            prompt = body.get("prompt")
+            add_special = body.get("add_special_tokens", True)
+            if not isinstance(prompt, str) or not isinstance(add_special, bool):
+                raise Unsupported("prompt")
+            if any(k in body and body[k] is not None for k in ("cache_salt", "truncate_prompt_tokens")):
+                raise Unsupported("engine_only_field")
+            return Prepared(prompt, add_special, None)
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise Unsupported("add_special_tokens")
         text = self.chat_text(body)
-        if not add_special and self.prefix.enabled:
-            return self.prefix.encode(text)  # a next turn re-encodes only its new part
-        return self.encode(text, add_special)
+        plan = self.prefix.plan(text) if not add_special and self.prefix.enabled else None
+        return Prepared(text, add_special, plan)
+
+    def finish(self, prepared: Prepared) -> list[int]:
+        """The encoding itself (a next turn re-encodes only its new part)."""
+        if prepared.plan is not None:
+            return self.prefix.encode(prepared.text, prepared.plan)
+        return self.encode(prepared.text, prepared.add_special)
+
+    def chat_tokens(self, body: dict[str, Any]) -> list[int]:
+        return self.finish(self.prepare("chat", body))
 
     def completion_tokens(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(prompt, str) or not isinstance(add_special, bool):
-            raise Unsupported("prompt")
-        if any(k in body and body[k] is not None for k in ("cache_salt", "truncate_prompt_tokens")):
-            raise Unsupported("engine_only_field")
-        return self.encode(prompt, add_special)
+        return self.finish(self.prepare("completions", body))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    text: str
+    add_special: bool
+    plan: Plan | None
+
+    @property
+    def remaining(self) -> int:
+        """Characters left to encode."""
+        return self.plan.remaining(self.text) if self.plan is not None else len(self.text)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:

@@ -19,13 +19,27 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import xxhash
 from tokenizers import Tokenizer
 
-__all__ = ["PrefixTokens"]
+__all__ = ["Plan", "PrefixTokens"]
 
 _MIN_REUSE_CHARS = 512  # a shorter reusable prefix saves less than the lookup costs
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A cached cut ``text`` starts with: its ids (ending with the cut token) and where it ends."""
+
+    hit: array[int] | None
+    end: int
+    cut: str
+
+    def remaining(self, text: str) -> int:
+        """Characters still to encode."""
+        return len(text) - self.end + len(self.cut)
 
 
 class PrefixTokens:
@@ -50,11 +64,11 @@ class PrefixTokens:
     def enabled(self) -> bool:
         return self._pattern is not None
 
-    def encode(self, text: str) -> list[int]:
-        """``text``'s ids without special tokens, equal to a full encode."""
+    def plan(self, text: str) -> Plan:
+        """Where ``text`` can start from a cached cut (cheap: one regex pass and one hash pass)."""
         pattern = self._pattern
         if pattern is None:
-            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            return Plan(None, 0, "")
         ends = [m.end() for m in pattern.finditer(text) if m.end() >= _MIN_REUSE_CHARS]
         digests = _prefix_digests(text, ends)
         for end, digest in zip(reversed(ends), reversed(digests), strict=True):
@@ -65,18 +79,27 @@ class PrefixTokens:
             cut = self._cut_ids.get(hit[-1])
             if cut is None or not text.endswith(cut, 0, end) or self._straddled(text, end):
                 continue
+            return Plan(hit, end, cut)
+        return Plan(None, 0, "")
+
+    def encode(self, text: str, plan: Plan | None = None) -> list[int]:
+        """``text``'s ids without special tokens, equal to a full encode."""
+        if self._pattern is None:
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        plan = plan if plan is not None else self.plan(text)
+        hit, end, cut = plan.hit, plan.end, plan.cut
+        if hit is not None:
             tail = self._tokenizer.encode_batch([cut + text[end:]], add_special_tokens=False)[0]
-            if not tail.ids or tail.ids[0] != hit[-1]:
-                continue  # cannot happen per the argument above; a full encode if it does
-            self.hits += 1
-            ids = hit.tolist() + tail.ids[1:]
-            start, head = end - len(cut), len(hit) - 1
-            self._remember(
-                text,
-                ids,
-                lambda i, s=start, t=tail, h=head: s + t.token_to_chars(i - h)[1] if i >= h else None,
-            )
-            return ids
+            if tail.ids and tail.ids[0] == hit[-1]:  # always, per the argument above
+                self.hits += 1
+                ids = hit.tolist() + tail.ids[1:]
+                start, head = end - len(cut), len(hit) - 1
+                self._remember(
+                    text,
+                    ids,
+                    lambda i, s=start, t=tail, h=head: s + t.token_to_chars(i - h)[1] if i >= h else None,
+                )
+                return ids
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
         self._remember(text, ids, lambda i: encoding.token_to_chars(i)[1])
