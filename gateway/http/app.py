@@ -37,6 +37,7 @@ from gateway.http.routing import build_routing
 from gateway.http.slo import PrefixTtftPredictor
 from gateway.http.state import STATE, GatewayState
 from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.route_metrics import RouteMetrics
 from gateway.ops.tasks import supervise
 from gateway.prefix.cache import PrefixCache
 from gateway.prefix.index import PrefixIndex
@@ -229,6 +230,7 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
         plugin_context=context,
         parse_options=parse_options(config),
         aliases=ModelAliases(config.models, metrics.registry, lambda model: bool(registry.candidates(model))),
+        routes=RouteMetrics(metrics.registry),
     )
 
     if config.discovery.kubernetes is not None or config.discovery.dns:

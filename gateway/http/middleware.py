@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway.errors import GatewayError, error_body, error_format, error_response
 from gateway.http.state import STATE
+from gateway.ops.route_metrics import UNMATCHED
 from gateway.proxy.forward import STREAM_STARTED
 from gateway.proxy.sse import SSE_DONE
 
@@ -218,7 +219,16 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             in_flight.discard(task)
     if not response.prepared:
         response.headers["x-request-id"] = request_id
-    access_log = request.app[STATE].access_log
+    state = request.app[STATE]
+    if state.routes is not None:
+        state.routes.observe(_route(request), response.status, time.monotonic() - started)
+    access_log = state.access_log
     if access_log.enabled:
         access_log.write(request, request_id, response.status, started)
     return response
+
+
+def _route(request: web.Request) -> str:
+    """The matched route's pattern (``/v1/responses/{response_id}``), never the raw path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else UNMATCHED

@@ -77,8 +77,14 @@ async def _record(
     state: GatewayState, response_id: str, request_id: str, param: str | None
 ) -> ResponseRecord:
     record = await state.sessions.responses.get(response_id)
+    result = "hit"
     if record is None:
         record = await _probe(state, response_id, request_id)
+        result = "probed"
+    if record is None:
+        result = "not_found"
+    if state.routes is not None:
+        state.routes.lookup(result)
     if record is None:
         raise NotFound(
             f"Response with id {response_id!r} not found: no replica behind the gateway stores it",
@@ -91,6 +97,8 @@ async def _record(
 def _replica(state: GatewayState, record: ResponseRecord, response_id: str) -> Endpoint:
     endpoint = _by_name(state, record.endpoint)
     if endpoint is None or not _usable(endpoint):
+        if state.routes is not None:
+            state.routes.lookup("replica_unavailable")
         why = "has left the fleet" if endpoint is None else "is unhealthy"
         raise Conflict(
             f"Response {response_id!r} is stored on replica {record.endpoint}, which {why}: "

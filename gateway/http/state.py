@@ -18,6 +18,7 @@ from gateway.fleet.registry import EndpointRegistry
 from gateway.http.access_log import AccessLog
 from gateway.http.routing import Routing
 from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.route_metrics import RouteMetrics
 from gateway.prefix.cache import PrefixCache
 from gateway.proxy.forward import Proxy
 from gateway.proxy.resilience import CircuitBreakers
@@ -50,6 +51,7 @@ class GatewayState:
     auth: Any = None  # gateway.auth wiring (TenantAuth) when auth is enabled
     side_client: Any = None  # aiohttp ClientSession for the Responses API's stateful calls
     aliases: ModelAliases | None = None  # config models: (aliases, weighted splits); reload reconfigures
+    routes: RouteMetrics | None = None  # per-route answers and stored-response lookups (ops/route_metrics)
     shutting_down: bool = False  # SIGTERM received: /ready says 503 while in-flight work drains
 
 

@@ -17,7 +17,7 @@ import yaml
 from gateway.auth import hash_key
 from loadtest.simulator import RunningSimulator, SimConfig, running_simulator
 
-__all__ = ["KEY_OK", "KEY_TINY", "Load", "Replica", "write_keys"]
+__all__ = ["KEY_OK", "KEY_TINY", "Load", "Replica", "ResponsesLoad", "write_keys"]
 
 KEY_OK = "sk-live-ok"
 KEY_TINY = "sk-live-tiny"  # one request per minute: its second request is rate limited
@@ -124,6 +124,35 @@ class Load:
                 status = 599  # a transport failure, counted with the 5xx
             self.statuses.setdefault(self.phase, Counter())[status] += 1
             await asyncio.sleep(max(0.0, self._pause_s - (time.monotonic() - started) / 4))
+
+
+class ResponsesLoad(Load):
+    """Responses chains of three steps (each continuing the last by ``previous_response_id``),
+    as tenant ``ok``: the stored-response lookups, and a 409 once a chain's replica has left."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, *, pause_s: float = 0.5) -> None:
+        super().__init__(http, url, pause_s=pause_s)
+        self._url = url + "/v1/responses"
+        self._previous: str | None = None
+
+    async def _run(self) -> None:
+        step = 0
+        while True:
+            body: dict[str, Any] = {"model": "m", "input": f"step {step}", "max_output_tokens": 4}
+            if self._previous and step % 3:
+                body["previous_response_id"] = self._previous
+            headers = {"authorization": f"Bearer {KEY_OK}"}
+            try:
+                async with self._http.post(self._url, json=body, headers=headers) as resp:
+                    answer = await resp.json(content_type=None)
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                status, answer = 599, None
+            ok = status == 200 and isinstance(answer, dict)
+            self._previous = answer.get("id") if ok else None
+            step = step + 1 if ok else 0  # a failed step starts a new chain
+            self.statuses.setdefault(self.phase, Counter())[status] += 1
+            await asyncio.sleep(self._pause_s)
 
 
 _TOPICS = ["billing", "shipping", "returns", "warranty"]

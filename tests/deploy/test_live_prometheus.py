@@ -36,7 +36,7 @@ import pytest
 
 from gateway.http.reload import ConfigReloader
 from loadtest.harness.redis_server import RedisServer
-from tests.deploy.live_fleet import Load, Replica, long_request, tenant_request, write_keys
+from tests.deploy.live_fleet import Load, Replica, ResponsesLoad, long_request, tenant_request, write_keys
 from tests.deploy.prom_live import binary, dashboard_queries, fast_rules, running_prometheus
 from tests.fleet.discovery.apiserver import make_pod, running_apiserver
 from tests.support.harness import Gateway, running_gateway
@@ -157,6 +157,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
 
     loads = {
         "main": Load(http, main.url, request=tenant_request, workers=2),
+        "main-responses": ResponsesLoad(http, main.url),
         "down": Load(http, down.url, pause_s=0.5),
         "eject": Load(http, eject.url),
         "retry": Load(http, retry.url),
@@ -259,6 +260,11 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         if not await prom.query(rule["name"]):
             empty.append(f"recording rule {rule['name']}")
     assert empty == [], "queries without series:\n" + "\n".join(empty)
+    # The Responses panel is fed by real chains: continuations found in the store.
+    hits = await prom.query(
+        f'sum(llm_gateway_response_lookups_total{{instance="{host(main)}",result="hit"}})'
+    )
+    assert hits and float(hits[0]["value"][1]) > 0, hits
 
     # -- recovery ----------------------------------------------------------------------------
     for load in loads.values():
@@ -289,7 +295,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         print("\n".join(report))
 
     # The gateways whose faults are behind Redis or a config file never answered 5xx.
-    for name in ("main", "redis"):
+    for name in ("main", "main-responses", "redis"):
         assert loads[name].count(500, 600) == 0, (name, loads[name].statuses)
     with contextlib.suppress(Exception):
         config_file.unlink()
