@@ -18,6 +18,9 @@ Routes:
 - SGLang's ``/get_server_info``, ``/get_model_info``, ``/get_load`` for routers that probe them;
 - anything else: 404.
 
+``--chunk-interval-ms N`` paces a stream: one event every N ms (timers, no task per stream),
+so many long-lived streams stay open at once (``loadtest.streams_bench``).
+
 ``--workers N`` forks N processes that each bind the port with ``SO_REUSEPORT``; the
 kernel spreads connections across them. The parent forwards SIGTERM/SIGINT to them.
 """
@@ -207,10 +210,11 @@ class _BadRequest(Exception):
 class ZeroProtocol(asyncio.Protocol):
     """One connection: parse as many complete requests as the buffer holds, answer each."""
 
-    __slots__ = ("_buf", "_closing", "_responses", "_transport")
+    __slots__ = ("_buf", "_closing", "_interval_s", "_responses", "_transport")
 
-    def __init__(self, responses: dict[str, object]) -> None:
+    def __init__(self, responses: dict[str, object], interval_s: float = 0.0) -> None:
         self._responses = responses
+        self._interval_s = interval_s
         self._buf = b""
         self._transport: asyncio.Transport | None = None
         self._closing = False
@@ -242,6 +246,12 @@ class ZeroProtocol(asyncio.Protocol):
         if transport is None:
             return
         if isinstance(payload, tuple):
+            if self._interval_s > 0:
+                transport.write(payload[0])
+                loop = asyncio.get_running_loop()
+                for i, part in enumerate(payload[1:], start=1):
+                    loop.call_later(i * self._interval_s, self._paced, transport, part)
+                return
             for part in payload:
                 transport.write(part)
         else:
@@ -249,6 +259,11 @@ class ZeroProtocol(asyncio.Protocol):
         if close:
             self._closing = True
             transport.close()
+
+    @staticmethod
+    def _paced(transport: asyncio.Transport, part: bytes) -> None:
+        if not transport.is_closing():
+            transport.write(part)
 
     def _handle_one(self, buf: bytes) -> int:
         """Answer the first request in ``buf``; return the bytes it used, 0 if incomplete."""
@@ -342,12 +357,14 @@ def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-async def serve(host: str, port: int, model: str = "zero", *, reuse_port: bool = False) -> None:
+async def serve(
+    host: str, port: int, model: str = "zero", *, reuse_port: bool = False, interval_s: float = 0.0
+) -> None:
     """Serve until SIGTERM/SIGINT."""
     loop = asyncio.get_running_loop()
     responses = build_responses(model)
     sock = _listen_socket(host, port, reuse_port)
-    server = await loop.create_server(lambda: ZeroProtocol(responses), sock=sock, backlog=4096)
+    server = await loop.create_server(lambda: ZeroProtocol(responses, interval_s), sock=sock, backlog=4096)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -355,12 +372,12 @@ async def serve(host: str, port: int, model: str = "zero", *, reuse_port: bool =
         await stop.wait()
 
 
-def _run(host: str, port: int, model: str, reuse_port: bool) -> None:
+def _run(host: str, port: int, model: str, reuse_port: bool, interval_s: float = 0.0) -> None:
     with contextlib.suppress(ImportError):
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(serve(host, port, model, reuse_port=reuse_port))
+    asyncio.run(serve(host, port, model, reuse_port=reuse_port, interval_s=interval_s))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,9 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     parser.add_argument("--model", default="zero")
+    parser.add_argument("--chunk-interval-ms", type=float, default=0.0, help="pace streamed events")
     args = parser.parse_args(argv)
+    interval_s = args.chunk_interval_ms / 1000
     if args.workers <= 1:
-        _run(args.host, args.port, args.model, reuse_port=False)
+        _run(args.host, args.port, args.model, reuse_port=False, interval_s=interval_s)
         return 0
     children: list[int] = []
     for _ in range(args.workers):
@@ -382,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             try:
-                _run(args.host, args.port, args.model, reuse_port=True)
+                _run(args.host, args.port, args.model, reuse_port=True, interval_s=interval_s)
             finally:
                 os._exit(0)
         children.append(pid)
