@@ -123,7 +123,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             options = ReplicaOptions(num_blocks=128, block_size=32)
             vllm_replicas = await asyncio.to_thread(start_vllm, 2, options, timeout_s=420)
-            urls, model, max_words = [r.url for r in vllm_replicas], MODEL_NAME, 240  # ~4 tiny-llama tokens a word: < 2,048
+            # ~4 tiny-llama tokens a word: prompts stay below max_model_len (2,048)
+            urls, model, max_words = [r.url for r in vllm_replicas], MODEL_NAME, 240
         else:
             sims = await start_replicas(2, ["--max-num-seqs", "2", "--time-scale", "2"])
             procs += sims
