@@ -2,13 +2,22 @@
 
     python -m loadtest.agent_bench [--replicas 4] [--sessions 16] [--turns 6]
         [--system-words 1500] [--kv-blocks 768] [--time-scale 4] [--policies round-robin,session-aware]
+        [--apis both|responses|messages]
 
 Each session is an agent loop: a long system prompt and tool list shared by every session,
 then turns that each extend the last (the client resends the whole history, as Claude Code
 does on ``/v1/messages`` and Codex on ``/v1/responses`` with ``store: false``). Half the
 sessions speak Anthropic Messages (``x-claude-code-session-id``), half the Responses API
-(``prompt_cache_key``). Every policy runs on a fresh simulated fleet in the same process;
-reported: the replicas' prefix-cache hit ratio and streamed TTFT (first content event).
+(``prompt_cache_key``); ``--apis responses`` or ``messages`` sends every session through one
+API. Every policy runs on a fresh simulated fleet in the same process; reported: the replicas'
+prefix-cache hit ratio and streamed TTFT (first content event).
+
+``--gateway-process`` runs the gateway as its own ``llm-gateway serve`` process (its own event
+loop, default health and scrape intervals) instead of in the benchmark's process. A policy
+``sglang-router:<policy>`` (e.g. ``sglang-router:cache_aware``) puts the peer router
+(:mod:`loadtest.peers`, its own process, hub and proxies pointed at a dead loopback port) in
+front of the fleet instead of the gateway. sglang-router 0.3.2 routes ``/v1/responses`` but
+answers ``/v1/messages`` with 404, so compare it with ``--apis responses``.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -26,7 +36,9 @@ import aiohttp
 from gateway.config import load_config
 from gateway.http.app import build_app
 from gateway.http.server import start_site
+from loadtest.harness.fleet import start_gateway
 from loadtest.harness.ports import free_port
+from loadtest.peers import start_peer
 from loadtest.simulator import SimConfig
 from loadtest.simulator.server import start_runner
 
@@ -36,6 +48,11 @@ _WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega riv
 _TOOLS = [
     {"name": n, "description": f"{n} a file in the repository", "input_schema": {"type": "object"}}
     for n in ("read", "write", "edit", "grep", "bash", "glob")
+]
+# The same tools as the Responses API types them (a function tool has a "type").
+_RESPONSES_TOOLS = [
+    {"type": "function", "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}
+    for t in _TOOLS
 ]
 
 
@@ -57,7 +74,7 @@ async def _session(
 ) -> list[float]:
     rng = random.Random(index)
     system = _text(random.Random(0), args.system_words)  # the same for every session
-    anthropic = index % 2 == 0
+    anthropic = args.apis == "messages" or (args.apis == "both" and index % 2 == 0)
     history: list[dict[str, Any]] = []
     ttfts = []
     for turn in range(args.turns):
@@ -70,7 +87,7 @@ async def _session(
         else:
             path, marker = "/v1/responses", b"response.output_text.delta"
             body = {"model": "sim-llama", "max_output_tokens": args.output_tokens, "stream": True}
-            body |= {"instructions": system, "tools": _TOOLS, "input": history, "store": False}
+            body |= {"instructions": system, "tools": _RESPONSES_TOOLS, "input": history, "store": False}
             body["prompt_cache_key"] = f"codex-{index}"
             headers = {}
         started = time.perf_counter()
@@ -84,6 +101,31 @@ async def _session(
     return ttfts
 
 
+class _Front:
+    """What the sessions talk to: the gateway in this process, or a peer router's process."""
+
+    def __init__(self, url: str, stop: Callable[[], Awaitable[None]]) -> None:
+        self.url, self.stop = url, stop
+
+
+async def _front(policy: str, urls: list[str], own_process: bool) -> _Front:
+    if policy.startswith("sglang-router:"):
+        peer = await start_peer("sglang-router", free_port("127.0.0.1"), urls, policy.split(":", 1)[1])
+        return _Front(peer.url, peer.stop)
+    if own_process:  # `llm-gateway serve` in its own process, as the peer runs
+        proc = await start_gateway(urls, ["--policy", policy])
+        return _Front(proc.url, proc.stop)
+    raw = {
+        "policy": policy,
+        "endpoints": [{"url": u} for u in urls],
+        "health": {"interval_s": 0.5, "timeout_s": 2.0},
+        "scrape": {"interval_s": 0.25, "timeout_s": 0.5},
+    }
+    port = free_port("127.0.0.1")
+    gateway = await start_site(build_app(load_config(overrides=raw, environ={})), "127.0.0.1", port)
+    return _Front(f"http://127.0.0.1:{port}", gateway.cleanup)
+
+
 async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     runners, sims = [], []
     for _ in range(args.replicas):
@@ -91,24 +133,16 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         runner, sim = await start_runner(config)
         runners.append(runner)
         sims.append(sim)
-    raw = {
-        "policy": policy,
-        "endpoints": [{"url": s.url} for s in sims],
-        "health": {"interval_s": 0.5, "timeout_s": 2.0},
-        "scrape": {"interval_s": 0.25, "timeout_s": 0.5},
-    }
-    gateway_config = load_config(overrides=raw, environ={})
-    port = free_port("127.0.0.1")
-    gateway = await start_site(build_app(gateway_config), "127.0.0.1", port)
+    front = await _front(policy, [s.url for s in sims], args.gateway_process)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             started = time.perf_counter()
             results = await asyncio.gather(
-                *(_session(http, f"http://127.0.0.1:{port}", i, args) for i in range(args.sessions))
+                *(_session(http, front.url, i, args) for i in range(args.sessions))
             )
             wall = time.perf_counter() - started
     finally:
-        await gateway.cleanup()
+        await front.stop()
         states = [s.engine.state() for s in sims]
         for runner in runners:
             await runner.cleanup()
@@ -136,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=768)
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--policies", default="round-robin,session-aware")
+    parser.add_argument("--apis", choices=("both", "responses", "messages"), default="both")
+    parser.add_argument(
+        "--gateway-process", action="store_true", help="run the gateway as its own process (as a peer runs)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = [asyncio.run(run_policy(p, args)) for p in args.policies.split(",")]
