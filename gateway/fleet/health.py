@@ -107,7 +107,10 @@ class HealthChecker:
             await asyncio.sleep(self._config.interval_s)
 
     async def check_all(self) -> None:
-        await self.check(list(self._registry))
+        endpoints = list(self._registry)
+        for url in self._listed_at.keys() - {e.url for e in endpoints}:  # left the fleet
+            del self._listed_at[url]
+        await self.check(endpoints)
 
     async def check(self, endpoints: list[Endpoint]) -> None:
         """Probe these endpoints now (new ones join without waiting for the next round)."""

@@ -11,6 +11,7 @@ import pytest
 from gateway.fleet.endpoint import EngineKind
 from gateway.fleet.lora import LoraLoad, adapter_parents
 from gateway.fleet.scraper import parse_engine_metrics
+from gateway.prefix.hashing import block_hashes
 from tests.policies.helpers import endpoint, make_plugin, request, with_metrics
 from tests.support.harness import debug_endpoints, wait_until
 
@@ -210,3 +211,10 @@ async def test_an_adapter_loaded_at_run_time_is_discovered_and_routed(start_sim,
             return "late" not in {m["id"] for m in (await resp.json())["data"]}
 
     await wait_until(gone, 5.0, "the unloaded adapter dropped from the gateway's list")
+
+
+def test_adapters_are_in_the_prefix_keys():
+    # The approximate index hashes the request's model first: an adapter's blocks are its own.
+    prompt = "the same long shared prompt " * 40
+    assert set(block_hashes("base", prompt)).isdisjoint(block_hashes("sql", prompt))
+    assert block_hashes("sql", prompt) == block_hashes("sql", prompt)
