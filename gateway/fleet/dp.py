@@ -12,9 +12,11 @@ pending prefill, the scraped series of its rank), its own exact and approximate 
 state (keyed by its name ``host:port#dpR``), and ``dp_rank`` sent as the header. Health,
 breakers, drain and models stay per URL, on the replica (``Endpoint.owner``), and are
 copied to its targets on every registry rebuild. The rank set comes from the config's
-``data_parallel_size`` or else from the scrape: the ``engine`` labels of
-``vllm:num_requests_running``. One rank (every non-DP vLLM reports ``engine="0"``) means
-no targets: the replica routes as before, with no header.
+``data_parallel_size`` or else from the scrape: the ``engine`` labels of the series every
+rank reports. A rank whose gauges are missing (vLLM 0.32 exports running/waiting/KV usage
+for rank 0 only) has them "not reported": its scorers use the gateway's own counts. One
+rank (every non-DP vLLM reports ``engine="0"``) means no targets: the replica routes as
+before, with no header.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from gateway.fleet.scraper import parse_engine_metrics
 __all__ = ["RANK_HEADER", "engine_ranks", "rank_target", "set_ranks", "sync_targets", "update_rank_loads"]
 
 RANK_HEADER = "x-data-parallel-rank"
-_RUNNING = "vllm:num_requests_running{"
+# Series with one sample per rank. vLLM 0.32 (CPU build, --data-parallel-size 2) exports its
+# gauges (running, waiting, KV usage) for engine="0" only, its counters and cache_config_info
+# for every rank: the rank set is the union of their engine labels.
+_PER_RANK = ("vllm:cache_config_info{", "vllm:prefix_cache_queries_total{", "vllm:num_requests_running{")
 _MAX_RANKS = 1024
 
 
@@ -96,12 +101,12 @@ def carry_targets(previous: Endpoint, endpoint: Endpoint) -> None:
 
 
 def engine_ranks(text: str) -> list[int]:
-    """The ``engine`` label values of ``vllm:num_requests_running`` (one series per DP rank)."""
+    """The ``engine`` label values of the series every rank reports (one value per DP rank)."""
     ranks: set[int] = set()
     for line in text.splitlines():
-        if not line.startswith(_RUNNING):
+        if not line.startswith(_PER_RANK):
             continue
-        _, found, rest = line.partition('engine="')
+        _, found, rest = line.partition(',engine="' if "{engine=" not in line else '{engine="')
         value = rest.partition('"')[0]
         if found and value.isdigit() and int(value) < _MAX_RANKS:
             ranks.add(int(value))

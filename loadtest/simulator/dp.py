@@ -9,7 +9,9 @@ What vLLM 0.32 does and this models (``vllm/v1/engine/core_client.py``,
 - without the header the front end's coordinator picks the least loaded rank: score
   ``waiting + running`` (+ ``6·waiting·max(0, kv_usage − 0.5)``), ties broken by a start
   index that rotates on every pick;
-- every ``vllm:`` series carries ``engine="<rank>"`` (``vllm:cache_config_info`` too);
+- its counters, histograms and ``vllm:cache_config_info`` carry ``engine="<rank>"`` for every
+  rank, but the scheduler gauges (``num_requests_running``/``waiting``, ``kv_cache_usage_perc``)
+  only ``engine="0"`` (measured on the CPU build with ``--data-parallel-size 2``);
 - each rank publishes its own KV events, its PUB and replay ports offset by the rank, its
   rank in every ``EventBatch``; ``GET /kv_event_sources`` answers one config per rank.
 
