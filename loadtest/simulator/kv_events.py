@@ -55,16 +55,19 @@ def wire_events(recorded: Sequence[tuple[Any, ...]], block_size: int) -> list[di
         kind = item[0]
         last = out[-1] if out else None
         if kind == "stored":
-            _, block_hash, parent, tokens = item
+            _, block_hash, parent, tokens, *rest = item
+            lora = rest[0] if rest else None  # vLLM: the adapter's name, and it as each block's extra key
+            extra = [lora] if lora is not None else None
             if (
                 last is not None
                 and last["type"] == "BlockStored"
                 and last["block_hashes"][-1] == parent
                 and parent is not None
+                and last["lora_name"] == lora
             ):
                 last["block_hashes"].append(block_hash)
                 last["token_ids"].extend(tokens)
-                last["extra_keys"].append(None)
+                last["extra_keys"].append(extra)
                 continue
             out.append(
                 {
@@ -75,8 +78,8 @@ def wire_events(recorded: Sequence[tuple[Any, ...]], block_size: int) -> list[di
                     "block_size": block_size,
                     "lora_id": None,
                     "medium": MEDIUM_GPU,
-                    "lora_name": None,
-                    "extra_keys": [None],  # one per block
+                    "lora_name": lora,
+                    "extra_keys": [extra],  # one per block
                     "group_idx": 0,
                     "kv_cache_spec_kind": "full_attention",
                 }

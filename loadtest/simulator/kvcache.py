@@ -37,10 +37,11 @@ def block_hashes(
 class SeqBlocks:
     """Blocks owned by one sequence, and how many of them are registered in the cache."""
 
-    __slots__ = ("block_ids", "hashes", "root")
+    __slots__ = ("block_ids", "hashes", "lora", "root")
 
     def __init__(self) -> None:
         self.root: int | None = None  # the hash chain's seed: a LoRA adapter's (None: the base model)
+        self.lora: str | None = None  # that adapter's name (KV events carry it)
         self.block_ids: list[int] = []
         self.hashes: list[int] = []  # hashes of the first len(hashes) blocks (all full + cached)
 
@@ -150,7 +151,8 @@ class KVCache:
                 if self.events is not None:
                     k = i - 1 - len(seq.hashes)
                     block_parent = None if i == 0 else new[k] if k >= 0 else seq.hashes[i - 1]
-                    self.events.append(("stored", h, block_parent, tokens[i * bs : (i + 1) * bs]))
+                    block = tokens[i * bs : (i + 1) * bs]
+                    self.events.append(("stored", h, block_parent, block, seq.lora))
         seq.hashes.extend(new)
         return created
 

@@ -117,6 +117,7 @@ class LoraAdapters:
         if model is not None and model in self.modules:
             req.lora = model
             req.blocks.root = lora_root(model)
+            req.blocks.lora = model
 
     def observe(self, running: set[str], waiting: set[str]) -> None:
         key = (",".join(sorted(running)), ",".join(sorted(waiting)))

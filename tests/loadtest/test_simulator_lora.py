@@ -9,8 +9,10 @@ import aiohttp
 import openai
 
 from gateway.fleet.endpoint import EngineKind
+from gateway.fleet.kv_wire import BlockStored, decode_batch
 from gateway.fleet.scraper import parse_engine_metrics
 from loadtest.simulator import SimConfig, running_simulator
+from tests.loadtest.test_simulator_kv_events import subscribed
 
 BASE = "sim-llama"
 
@@ -128,3 +130,27 @@ async def test_prefix_cache_is_keyed_by_the_adapter():
             assert await cached("a") == 0  # the base model's blocks are not the adapter's
             assert await cached("a") > 0
             assert await cached(BASE) > 0
+
+
+async def _payloads(sub: Any, wait_s: float = 0.5) -> list[bytes]:
+    out = []
+    while True:
+        try:
+            _topic, _seq, payload = await asyncio.wait_for(sub.recv_multipart(), wait_s)
+        except TimeoutError:
+            return out
+        out.append(payload)
+
+
+async def test_kv_events_name_the_adapter_as_vllm_does():
+    # Decoded by the gateway's own KV-event reader: an adapter's blocks carry its name (and it as
+    # each block's extra key), the base model's none; never merged into one event.
+    async with subscribed(enable_lora=True, lora_modules=("sql",)) as (sim, session, sub, _):
+        for model in ("sql", BASE):
+            await _complete(session, sim.url, model)
+        events = [e for payload in await _payloads(sub) for e in decode_batch(payload)[1]]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert {e.lora_name for e in stored} == {"sql", None}
+        for event in stored:
+            expected = None if event.lora_name is None else ["sql"]
+            assert event.extra_keys and all(k == expected for k in event.extra_keys)
