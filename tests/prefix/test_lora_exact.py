@@ -28,5 +28,6 @@ async def test_adapter_blocks_are_predicted_for_the_adapter_only(start_sims, sta
         await settle(gw, sims)
     assert all(predicted == cached for predicted, cached in seen), seen
     # The adapter's second request hits its own blocks; the base model's first does not (with the
-    # adapter's name missing from the events, the index took them for the base model's: 64 predicted, 0 cached).
+    # adapter's name missing from the events, the index took them for the base model's: 64
+    # predicted, 0 cached).
     assert seen[1][1] > 0 and seen[2][1] == 0 and seen[3][1] > 0 and seen[4][1] > 0
