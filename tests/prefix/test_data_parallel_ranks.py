@@ -189,3 +189,23 @@ async def test_configured_ranks_route_from_the_first_request(start_sims, start_g
     served = {(await ask(http, gw, document(400 + i)))[0] for i in range(6)}
     assert served <= {f"{host(sim)}#dp0", f"{host(sim)}#dp1"} and served
     assert sim.state.dp is not None and sum(sim.state.dp.picked) == 6
+
+
+async def test_a_session_stays_on_its_rank(start_sims, start_gateway, http) -> None:
+    (sim,) = await start_sims(1, data_parallel_size=2, time_scale=5.0)
+    gw = await start_gateway(gateway_config([sim.url], prefix={"exact": "off"}, policy="session-aware"))
+    await wait_ranks(gw, sim, 2, live=False)
+    pinned: dict[str, set[str]] = {}
+    for turn in range(4):
+        for session in ("alpha", "beta", "gamma", "delta"):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"{session} {turn}"}],
+                "max_tokens": 2,
+            }
+            headers = {"x-session-id": session, "x-gateway-debug": "1"}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+                pinned.setdefault(session, set()).add(r.headers["x-gateway-endpoint"])
+    assert all(len(served) == 1 for served in pinned.values()), pinned  # pinned to (replica, rank)
+    assert all(next(iter(s)).startswith(host(sim) + "#dp") for s in pinned.values())
