@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
 from gateway.config import load_config
+from gateway.config.kv_events import TokenizerConfig
+from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.chat_template import Unsupported, conversation, render
 from gateway.prefix.local_tokenizer import LocalTokenizer, find_tokenizer_dir
+from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.template_format import content_format
 from loadtest.realvllm.model import CHAT_TEMPLATE, build_tokenizer
 
@@ -183,3 +187,28 @@ def test_a_configured_directory_without_a_tokenizer_is_a_config_error(tiny_dir: 
     for bad in ({"path": str(tmp_path)}, {"models": {"m": str(tmp_path / "missing")}}, {"source": "guess"}):
         with pytest.raises(Exception, match="tokenizer"):
             load(bad)
+
+
+class _Request:
+    """What LocalTokens reads of an InferenceRequest."""
+
+    def __init__(self, body: dict[str, Any], api: str = "chat") -> None:
+        self.body, self.api, self.model, self.prompt_text = body, api, "m", json.dumps(body)
+
+
+async def test_a_model_is_trusted_after_its_checks_and_dropped_at_a_mismatch(tiny_dir: Path) -> None:
+    local = LocalTokens(
+        TokenizerConfig(path=str(tiny_dir), verify_requests=2), KVEventMetrics(CollectorRegistry())
+    )
+    request = _Request(chat(("user", "hi")))
+    tokens = await local.tokens(request)
+    assert tokens == LocalTokenizer(tiny_dir).chat_tokens(request.body)
+    assert not local.trusted(request)
+    assert local.check("m", tokens, tokens) and not local.trusted(request)
+    assert local.check("m", tokens, tokens) and local.trusted(request)
+    assert not local.comparable(_Request({**request.body, "documents": []}))  # /tokenize renders it otherwise
+    assert not local.check("m", tokens, [*tokens, 1]) and local.distrusted("m")
+    assert await local.tokens(_Request({"prompt": "a b"}, api="completions")) == raw_encode(
+        tiny_dir, "a b", True
+    )
+    local.close()

@@ -6,7 +6,9 @@ caught and dropped; what the local path cannot do falls back, never fails a requ
 
 from __future__ import annotations
 
+import asyncio
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +113,36 @@ async def test_local_only_falls_back_to_the_approximate_index_never_failing(
     assert count(page, "fallback", reason="too_long") == 1
     assert count(page, "ok") == 1
     assert not metric_value(page, "llm_gateway_prefix_tokenize_total", outcome="ok")  # never /tokenize
+
+
+async def test_auto_finds_the_model_in_the_hf_cache(
+    real_sims: Path, start_sims, start_gateway, http, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tokenizer config at all: ``auto`` finds ``org/tiny`` in ``HF_HUB_CACHE`` (loaded in the
+    background while the first request asks ``/tokenize``), verifies it, then uses it."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(real_sims, repo / "snapshots" / "rev1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    sims = await start_sims(1, kv_blocks=256, kv_events=True, model="org/tiny")
+    gw = await start_gateway(gateway_config([s.url for s in sims], prefix={"exact": "auto", **EXACT}))
+    await wait_live(gw, sims)
+    conversation = [{"role": "system", "content": "arches of stone " * 30}]
+    for turn in range(8):
+        conversation.append({"role": "user", "content": f"turn {turn}"})
+        await settle(gw, sims)
+        body = {"model": "org/tiny", "messages": conversation, "max_tokens": 4}
+        async with http.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"x-gateway-debug": "1"}
+        ) as r:
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+            assert (
+                int(r.headers["x-gateway-predicted-cached-tokens"])
+                == (answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+            )
+        conversation.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+        await asyncio.sleep(0.05 if turn == 0 else 0)  # the background load finishes
+    page = await metrics(http, gw)
+    assert count(page, "verified") == 3 and count(page, "mismatch") == 0
+    assert count(page, "ok") >= 5  # every request after the load
+    assert metric_value(page, "llm_gateway_prefix_tokenize_total", outcome="ok") <= 4  # 3 checks (+ the load)
