@@ -159,3 +159,27 @@ async def test_local_only_predictions_equal_the_engines_under_eviction(fleet: Fl
     assert summary["prompt_tokens"] > 2 * NUM_BLOCKS * BLOCK_SIZE * 2, summary  # 2× the fleet's KV: evictions
     assert summary["local_ok"] == len(results), summary
     assert not metric_value(page, "llm_gateway_prefix_tokenize_total", outcome="ok"), summary  # no /tokenize
+
+
+async def test_auto_verifies_against_the_engine_then_stops_asking(fleet: Fleet, http, stack) -> None:
+    prefix = {
+        **EXACT,
+        "kv_events": {**EXACT["kv_events"], "tokenizer": {"models": {MODEL: str(ensure_model())}}},
+    }
+    gw = GatewayProcessless(gateway_config(fleet.urls, prefix=prefix))
+    await gw.start()
+    stack.push_async_callback(gw.stop)
+    await wait_live(gw, fleet.urls)
+    conversation = [{"role": "system", "content": document(8)}]
+    for turn in range(8):
+        conversation.append({"role": "user", "content": f"Turn {turn}: and the arches?"})
+        await quiet(gw, fleet.urls)
+        result = await ask(http, gw, conversation)
+        assert result["predicted"] == result["cached"], result
+        conversation.append({"role": "assistant", "content": result["text"]})
+    async with http.get(gw.url + "/metrics") as r:
+        page = await r.text()
+    local = "llm_gateway_prefix_local_tokenize_total"
+    assert metric_value(page, local, outcome="verified") == 3  # real vLLM's /tokenize agreed 3 times
+    assert not metric_value(page, local, outcome="mismatch")
+    assert metric_value(page, "llm_gateway_prefix_tokenize_total", outcome="ok") == 3  # then no more asks
