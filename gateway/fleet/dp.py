@@ -61,6 +61,7 @@ def sync_target(replica: Endpoint, target: Endpoint) -> None:
     target.ejected = replica.ejected
     target.draining = replica.draining
     target.discovered_models = replica.discovered_models
+    target.adapters = replica.adapters  # LoRA adapters are loaded server-wide, on every rank
 
 
 def sync_targets(replica: Endpoint) -> None:
@@ -133,6 +134,7 @@ def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint
         load = parse_engine_metrics(text, replica.engine, rank=str(target.dp_rank))
         m = target.metrics
         m.waiting, m.running, m.kv_usage = load.waiting, load.running, load.kv_usage
+        m.lora = load.lora  # vllm:lora_requests_info has no engine label: the server's
         if load.block_size is not None:
             m.block_size, m.num_blocks = load.block_size, load.num_blocks
         m.scraped_at = now
