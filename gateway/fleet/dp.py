@@ -27,7 +27,15 @@ from collections.abc import Sequence
 from gateway.fleet.endpoint import Endpoint, EngineKind
 from gateway.fleet.scraper import parse_engine_metrics
 
-__all__ = ["RANK_HEADER", "engine_ranks", "rank_target", "set_ranks", "sync_targets", "update_rank_loads"]
+__all__ = [
+    "RANK_HEADER",
+    "engine_ranks",
+    "other_servers_first",
+    "rank_target",
+    "set_ranks",
+    "sync_targets",
+    "update_rank_loads",
+]
 
 RANK_HEADER = "x-data-parallel-rank"
 # Series with one sample per rank. vLLM 0.32 (CPU build, --data-parallel-size 2) exports its
@@ -99,6 +107,19 @@ def carry_targets(previous: Endpoint, endpoint: Endpoint) -> None:
         target.metrics, target.learned_capacity = old.metrics, old.learned_capacity
         targets.append(target)
     endpoint.rank_targets = tuple(targets)  # a changed data_parallel_size is applied by the registry
+
+
+def other_servers_first(ranked: Sequence[Endpoint]) -> list[Endpoint]:
+    """Attempt order: each URL's best target in rank order, then their sibling ranks.
+
+    A retry goes to another server before another rank of the one that just failed (a dead or
+    overloaded server fails on every rank). Without data parallelism the order is unchanged."""
+    seen: set[str] = set()
+    first, later = [], []
+    for target in ranked:
+        (later if target.url in seen else first).append(target)
+        seen.add(target.url)
+    return first + later
 
 
 def engine_ranks(text: str) -> list[int]:

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout
-from gateway.fleet.dp import RANK_HEADER
+from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
@@ -115,7 +115,7 @@ class Proxy:
     ) -> web.StreamResponse:
         settings = self.settings
         ranked = [s.endpoint for s in result.ranked]
-        attempts = ranked[: 1 + settings.limits.retries]
+        attempts = other_servers_first(ranked)[: 1 + settings.limits.retries]
         last_failure: _Retryable | None = None
         loop = asyncio.get_running_loop()
         # One hard deadline for the whole request; every wait below is capped by it,

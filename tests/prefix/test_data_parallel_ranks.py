@@ -209,3 +209,30 @@ async def test_a_session_stays_on_its_rank(start_sims, start_gateway, http) -> N
                 pinned.setdefault(session, set()).add(r.headers["x-gateway-endpoint"])
     assert all(len(served) == 1 for served in pinned.values()), pinned  # pinned to (replica, rank)
     assert all(next(iter(s)).startswith(host(sim) + "#dp") for s in pinned.values())
+
+
+async def test_a_retry_goes_to_another_server_before_another_rank(start_sims, start_gateway, http) -> None:
+    (failing,) = await start_sims(1, data_parallel_size=2)
+    (other,) = await start_sims(1)
+    # Breakers that never trip: every request must be saved by its one retry, not by an ejection.
+    never = {"consecutive_failures": 1000, "min_requests": 1000}
+    gw = await start_gateway(
+        gateway_config([failing.url, other.url], prefix={"exact": "off"}, resilience=never)
+    )
+    await wait_ranks(gw, failing, 2, live=False)
+    failing.state.fault.mode, failing.state.fault.status = "error", 503  # every rank of it fails
+    served = [(await ask(http, gw, document(500 + i)))[0] for i in range(12)]
+    assert served == [host(other)] * 12  # a single retry (the default) always reached the other server
+    text = await (await http.get(gw.url + "/metrics")).text()
+    assert (metric_value(text, "llm_gateway_retries_total") or 0) >= 1
+
+
+def test_attempt_order_puts_other_servers_before_sibling_ranks() -> None:
+    from gateway.fleet.dp import other_servers_first, set_ranks
+    from gateway.fleet.endpoint import Endpoint
+
+    a, b = Endpoint("http://a:1", healthy=True), Endpoint("http://b:1", healthy=True)
+    set_ranks(a, [0, 1])
+    a0, a1 = a.rank_targets
+    assert other_servers_first([a0, a1, b]) == [a0, b, a1]
+    assert other_servers_first([b, a1, a0]) == [b, a1, a0]
