@@ -12,6 +12,13 @@ evicted all the time). Reported per arm: the engines' own prefix-cache hit ratio
 |predicted − engine-reported| cached tokens (``x-gateway-predicted-cached-tokens`` with
 ``x-gateway-debug: 1`` against ``usage.prompt_tokens_details.cached_tokens``).
 
+``--engine vllm`` runs every arm against the same real vLLM 0.32 (CPU build) replicas
+(``loadtest/realvllm``: KV events on, ``--kv-blocks`` blocks of 32 tokens each, the tiny
+Llama with its own tokenizer, the workload in its vocabulary): started once, their prefix
+caches reset before each arm (vLLM's dev-mode ``POST /reset_prefix_cache``; the reset's
+``AllBlocksCleared`` also clears the next gateway's index), hits counted as deltas.
+``exact-local`` then tokenizes with the served model's own ``tokenizer.json``.
+
 ``--tokenizer DIR`` (``tiny``: the tiny Llama's, built here) makes every arm's simulators
 tokenize with that real ``tokenizer.json`` + chat template (``LLMGW_SIM_TOKENIZER``) and the
 workload use words of its vocabulary; the ``exact-local`` arm then computes the engine's tokens
@@ -120,9 +127,11 @@ class Result:
     endpoint: str = ""
 
 
-async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]) -> tuple[Result, str]:
+async def one(
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], model: str = MODEL
+) -> tuple[Result, str]:
     body = {
-        "model": MODEL, "messages": messages, "max_tokens": 24, "stream": True,
+        "model": model, "messages": messages, "max_tokens": 24, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
     started = time.perf_counter()
@@ -148,18 +157,40 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
     return Result(ttft or 0.0, predicted, cached, endpoint), "".join(text)
 
 
-async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+async def _reset_caches(session: aiohttp.ClientSession, urls: list[str]) -> None:
+    for url in urls:
+        async with session.post(url + "/reset_prefix_cache") as resp:
+            resp.raise_for_status()
+
+
+async def run_arm(
+    name: str, args: argparse.Namespace, workdir: Path, fleet: list[str] | None = None
+) -> dict[str, Any]:
+    """One arm on fresh simulators, or on the running real replicas ``fleet`` (caches reset)."""
     policy, config = ARMS[name]
     if name == "exact-local":
         if not args.tokenizer:
             raise SystemExit("exact-local needs --tokenizer (the engines must tokenize as the gateway)")
         config = {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": args.tokenizer}}}}
-    sim_args = ["--kv-events", "--kv-blocks", str(args.kv_blocks), "--time-scale", str(args.time_scale)]
-    replicas = await start_replicas(args.replicas, sim_args, log_dir=workdir / name)
+    model = args.model
+    before = {"hits": 0.0, "queries": 0.0}
+    if fleet is None:
+        sim_args = ["--kv-events", "--kv-blocks", str(args.kv_blocks), "--time-scale", str(args.time_scale)]
+        replicas = await start_replicas(args.replicas, sim_args, log_dir=workdir / name)
+        urls = [r.url for r in replicas]
+    else:
+        replicas, urls = [], fleet
+        async with aiohttp.ClientSession() as session:
+            await _reset_caches(session, urls)
+            for url in urls:
+                counters = await fetch_metrics(session, url)
+                before["hits"] += counters["hits"]
+                before["queries"] += counters["queries"]
+    workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / f"{name}.json"  # JSON is YAML
     config_path.write_text(json.dumps(config))
     gateway = await start_gateway(
-        [r.url for r in replicas], ["--config", str(config_path), "--policy", policy], log_dir=workdir / name
+        urls, ["--config", str(config_path), "--policy", policy], log_dir=workdir / name
     )
     try:
         await asyncio.sleep(1.5)  # subscribers connect, first scrapes land
@@ -179,7 +210,7 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
                         busy.add(index)
                         conversation = work.conversations[index]
                     try:
-                        result, text = await one(session, gateway.url, messages)
+                        result, text = await one(session, gateway.url, messages, model)
                     finally:
                         busy.discard(index)
                     conversation.append({"role": "assistant", "content": text})
@@ -192,9 +223,9 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
                 for line in gateway_metrics.splitlines():
                     if any(k in line for k in args.dump_metrics.split(",")) and not line.startswith("#"):
                         print(name, line)
-            hits = queries = 0.0
-            for replica in replicas:
-                counters = await fetch_metrics(session, replica.url)
+            hits, queries = -before["hits"], -before["queries"]
+            for url in urls:
+                counters = await fetch_metrics(session, url)
                 hits += counters["hits"]
                 queries += counters["queries"]
     finally:
@@ -235,6 +266,7 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--kv-blocks", type=int, default=256, help="per replica, 16 tokens each")
     parser.add_argument("--time-scale", type=float, default=2.0)
@@ -252,7 +284,9 @@ def main() -> None:
         help="a tokenizer directory for engines and exact-local (tiny, tiny-markers: build one)",
     )
     args = parser.parse_args()
-    fleet_tokens = args.replicas * args.kv_blocks * 16
+    args.model = MODEL
+    block_tokens = 32 if args.engine == "vllm" else 16
+    fleet_tokens = args.replicas * args.kv_blocks * block_tokens
     working_set = args.docs * (args.doc_tokens + 3) + args.active * 4 * 80
     ratio = working_set / fleet_tokens
     print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
@@ -263,9 +297,24 @@ def main() -> None:
             args.tokenizer = str(build_tokenizer(Path(tmp) / "tokenizer", chat_markers=markers))
         if args.tokenizer:
             os.environ["LLMGW_SIM_TOKENIZER"] = args.tokenizer  # the simulators inherit it
-        for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
-            for name in args.arms.split(","):
-                runs.setdefault(name, []).append(asyncio.run(run_arm(name, args, Path(tmp) / str(round_))))
+        vllm: list[Any] = []
+        if args.engine == "vllm":
+            from loadtest.realvllm.fleet import MODEL_NAME, ReplicaOptions, ensure_model, start_replicas
+
+            options = ReplicaOptions(num_blocks=args.kv_blocks, block_size=32, kv_events=True)
+            vllm = start_replicas(args.replicas, options, log_dir=Path(tmp) / "vllm", timeout_s=420)
+            args.model, args.tokenizer = MODEL_NAME, str(ensure_model())  # its tokenizer.json
+        try:
+            for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
+                for name in args.arms.split(","):
+                    fleet = [r.url for r in vllm] or None
+                    row = asyncio.run(run_arm(name, args, Path(tmp) / str(round_), fleet))
+                    runs.setdefault(name, []).append(row)
+        finally:
+            if vllm:
+                from loadtest.realvllm.fleet import stop_replicas
+
+                stop_replicas(vllm)
     rows = [_median(arm_runs) for arm_runs in runs.values()]
     if args.rounds > 1:
         print(f"medians over {args.rounds} interleaved rounds")
