@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_AIOHTTP_SHUTDOWN_GRACE_S = 2.0  # after our own shutdown deadline
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ async def start_site(
         guard,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
+        # aiohttp's own deadline must come well after ours (see _stop_site): at the same instant
+        # its timeout cancels the waiter our ended handler is about to resolve (InvalidStateError)
+        shutdown_timeout=shutdown_timeout_s + _AIOHTTP_SHUTDOWN_GRACE_S,
         keepalive_timeout=server.keepalive_timeout_s,
         max_line_size=max_header_bytes,
         max_field_size=max_header_bytes,
@@ -164,8 +167,9 @@ async def _stop_site(runner: web.AppRunner, in_flight: InFlight, timeout_s: floa
     and close the socket at once, so a stream just stops mid-body. Here the handlers still
     running at ``timeout_s`` are cancelled first with a reason: the middleware ends each
     stream with an SSE error event and ``data: [DONE]`` (a request not yet answering gets a
-    503), and aiohttp finds them finished. aiohttp's own deadline is later (it starts after
-    the listener is closed and rounds up), so ours always comes first.
+    503), and aiohttp finds them finished. aiohttp's own deadline is
+    ``_AIOHTTP_SHUTDOWN_GRACE_S`` later (``start_site``), so ours always comes first and the
+    ended handlers have time to write their last event.
     """
     cleanup = asyncio.ensure_future(runner.cleanup())
     done, _ = await asyncio.wait({cleanup}, timeout=timeout_s)
