@@ -108,6 +108,7 @@ class _GuardedRequestHandler(RequestHandler):
         self._guard = guard
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline
         self._counted = False
+        self._half_close = False  # send FIN right after the current response (end_after_response)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
@@ -147,6 +148,21 @@ class _GuardedRequestHandler(RequestHandler):
     def end_after_response(self) -> None:
         """Close once the current response is written, without lingering to drain the body."""
         self._lingering_time = 0.0
+        self._half_close = True
+
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """After an answer that ends the connection while the client may still be sending (a
+        408 to a trickled body): send FIN right behind it. Closing a socket with unread input
+        makes the kernel reset the connection, and a client then reads the answer followed by
+        ``ECONNRESET`` instead of the end of the stream; with the FIN first it sees the end."""
+        answer = await super().finish_response(request, resp, start_time)
+        transport = self.transport
+        if self._half_close and transport is not None and transport.can_write_eof():
+            self._half_close = False
+            transport.write_eof()
+        return answer
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
         self._cancel_timer()
