@@ -29,7 +29,15 @@ def _long_body(stream: bool) -> dict:
 
 
 async def _accounts(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, tuple[float, float]]:
-    """Per replica: (generated tokens, requests finished by reaching max_tokens)."""
+    """Per replica: (generated tokens, requests finished by reaching max_tokens), taken once
+    the engines run nothing: an earlier test's request finishing inside this test's window
+    would otherwise count as this test's."""
+    for url in urls:
+
+        async def idle(url: str = url) -> bool:
+            return await engine_metric(http, url, "vllm:num_requests_running") == 0
+
+        await wait_until(idle, SETTLE_S, f"vllm:num_requests_running on {url} to be 0 before the test")
     out = {}
     for url in urls:
         generated = await engine_metric(http, url, "vllm:generation_tokens_total")
