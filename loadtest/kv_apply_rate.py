@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
+from loadtest.harness.scrape import sum_samples
 from loadtest.simulator.kv_events import KVEventPublisher
 from loadtest.simulator.kvcache import KVCache
 
@@ -45,11 +46,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum_samples(text, (name,))
 
 
 class StepSource:

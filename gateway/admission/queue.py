@@ -293,7 +293,7 @@ class AdmissionController:
         overdue = None
         scanned = 0
         drop = self._config.slo.drop_overdue
-        for waiter in list(queue):
+        for waiter in queue:  # nothing here removes from it: refused waiters leave in their own task
             if waiter.future.done():
                 continue
             if waiter.due > now:
