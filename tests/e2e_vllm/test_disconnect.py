@@ -15,10 +15,12 @@ import pytest
 
 from tests.e2e_vllm.conftest import Fleet
 from tests.e2e_vllm.helpers import MODEL, engine_metric
-from tests.support.harness import wait_idle, wait_until
+from tests.support.harness import gateway_metrics, metric_value, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
-LONG = 1900  # tokens: 2.5-6 s of decoding on this machine, far longer than the tests wait
+# tokens: 6-12 s of decoding on this machine, far longer than the tests wait. The prompt
+# is ~180 tokens, so this fits the replicas' 2,048-token context (1,900 was cut to 1,868).
+LONG = 1800
 # /metrics of a busy CPU replica can take ~2 s to answer: allow for a couple of slow scrapes.
 SETTLE_S = 6.0
 
@@ -84,11 +86,25 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(fleet: Fleet, 
         async with http.post(gw.url + "/v1/completions", json=_long_body(stream=False)) as resp:
             return resp.status, await resp.text()
 
+    async def decoding() -> bool:
+        running = [await engine_metric(http, u, "vllm:num_requests_running") for u in fleet.urls]
+        return sum(running) == 1
+
     request = asyncio.create_task(call())
-    await asyncio.sleep(0.5)  # well into decoding: prefill of 40 tokens takes milliseconds
+    # The client goes away while the engine decodes (not at a fixed time, which on a loaded
+    # host can fall before the engine took the request): a non-streamed answer sends no
+    # byte until it is complete, so only the closed connection can tell the engine.
+    await wait_until(decoding, SETTLE_S, "the engine to be decoding the request")
     assert not request.done(), request.result()
-    request.cancel()  # the client closes its connection before any byte came back
+    request.cancel()
     await asyncio.gather(request, return_exceptions=True)
     assert request.cancelled()
-    await _assert_aborted(http, fleet.urls, before)
+
+    async def disconnect_counted() -> bool:
+        return metric_value(await gateway_metrics(http, gw), "llm_gateway_client_disconnects_total") == 1
+
+    # The gateway's half, exact: it saw the client go and closed the upstream connection
+    # (nothing in flight any more); then the engine's half, from the engine's own accounts.
+    await wait_until(disconnect_counted, 3.0, "the gateway to count the client's disconnect")
     await wait_idle(http, gw, within_s=3.0)
+    await _assert_aborted(http, fleet.urls, before)
