@@ -163,10 +163,15 @@ async def _front(policy: str, urls: list[str], own_process: bool) -> _Front:
     return _Front(f"http://127.0.0.1:{port}", gateway.cleanup)
 
 
-async def _cache_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
-    """The fleet's prefix-cache (hit tokens, queried tokens) so far, from the replicas' /metrics."""
+async def _cache_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float, list[float]]:
+    """The fleet's prefix-cache (hit tokens, queried tokens) so far and each replica's finished
+    requests, from the replicas' /metrics."""
     counters = await asyncio.gather(*(fetch_metrics(http, u) for u in urls))
-    return sum(c["hits"] for c in counters), sum(c["queries"] for c in counters)
+    return (
+        sum(c["hits"] for c in counters),
+        sum(c["queries"] for c in counters),
+        [c["requests"] for c in counters],
+    )
 
 
 async def _reset_caches(http: aiohttp.ClientSession, urls: list[str]) -> None:
@@ -191,7 +196,7 @@ async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | N
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             if fleet is not None:
                 await _reset_caches(http, urls)
-            hits_before, queries_before = await _cache_counters(http, urls)
+            hits_before, queries_before, served_before = await _cache_counters(http, urls)
             front = await _front(policy, urls, args.gateway_process)
             try:
                 started = time.perf_counter()
@@ -201,11 +206,12 @@ async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | N
                 wall = time.perf_counter() - started
             finally:
                 await front.stop()
-            hits, queries = await _cache_counters(http, urls)
+            hits, queries, served = await _cache_counters(http, urls)
     finally:
         for runner in runners:
             await runner.cleanup()
     hits, queries = hits - hits_before, queries - queries_before
+    served = [after - before for after, before in zip(served, served_before, strict=True)]
     ttfts = sorted(t.ttft_s for r in results for t in r if t.ttft_s is not None)
     per_turn = []  # cached / prompt tokens by turn number, where the engine reported them
     for index in range(args.turns):
@@ -220,6 +226,7 @@ async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | N
         "ttft_p95_ms": round(ttfts[int(len(ttfts) * 0.95) - 1] * 1000, 1),
         "wall_s": round(wall, 1),
         "per_turn_hit": per_turn,
+        "max_share": round(max(served) / sum(served), 3) if sum(served) else 0.0,
     }
 
 
@@ -286,14 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds > 1:
         print(f"medians over {args.rounds} interleaved rounds (hit ratio range in brackets)")
-    print("| policy | requests | prefix-cache hit ratio | TTFT p50 (ms) | TTFT p95 (ms) | wall (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| policy | requests | prefix-cache hit ratio | TTFT p50 (ms) | TTFT p95 (ms) | wall (s) "
+        "| busiest replica's share |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         low, high = r["hit_range"]
         hit = f"{r['hit_ratio']}" + (f" ({low}-{high})" if args.rounds > 1 else "")
         print(
             f"| {r['policy']} | {r['requests']} | {hit} | {r['ttft_p50_ms']} "
-            f"| {r['ttft_p95_ms']} | {r['wall_s']} |"
+            f"| {r['ttft_p95_ms']} | {r['wall_s']} | {r['max_share']:.1%} |"
         )
     for r in rows:
         per_turn = " ".join("-" if h is None else f"{h:.2f}" for h in r["per_turn_hit"])
