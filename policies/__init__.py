@@ -18,6 +18,7 @@ from policies.scorers import (
     prefix_cost,
     queue_depth,
     session_affinity,
+    session_balance,
     slo_headroom,
 )
 
@@ -33,6 +34,7 @@ BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
         prefix_cost,
         cache_room,
         session_affinity,
+        session_balance,
         slo_headroom,
         lora_affinity,
     ),

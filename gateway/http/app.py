@@ -51,6 +51,7 @@ from gateway.request.slo import SloOptions
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.registry import PluginRegistry
 from gateway.sessions.affinity import SessionAffinity
+from gateway.sessions.placement import SessionPlacement
 from gateway.sessions.responses import MemoryResponseStore, RedisResponseStore, ResponseStore
 from gateway.sessions.store import (
     MemorySessionStore,
@@ -162,6 +163,7 @@ def build_plugin_context(
         metrics,
         config.sessions.token_header,
         build_response_store(config.sessions, metrics),
+        SessionPlacement(config.sessions.ttl_s, config.sessions.max_sessions),
     )
     slo = config.admission.slo
     latency = LatencyModel(detector, horizon=slo.horizon, min_samples=slo.min_samples)

@@ -45,12 +45,14 @@ PRESETS: dict[str, tuple[list[PluginSpec], list[ProfileSpec]]] = {
         (PluginSpec(type="cache-room"), 0.1),
         (PluginSpec(type="lora-affinity"), 1),
     ),
-    # prefix-aware plus session stickiness: a conversation stays on its replica while it has room.
+    # prefix-aware plus session stickiness: a conversation stays on its replica while it has room;
+    # new (and moving) sessions go where the fewest live sessions are (docs/benchmarks.md §10).
     "session-aware": _preset(
         _TIE_BREAK,
         (PluginSpec(type="prefix-cost"), 1),
         (PluginSpec(type="cache-room"), 0.1),
         (PluginSpec(type="session-affinity"), 0.5),
+        (PluginSpec(type="session-balance"), 1),
     ),
     # prefix-aware plus the learned latency against each request's TTFT objective: replicas
     # predicted to miss it lose; prefix-cost keeps spreading load among those that meet it.

@@ -196,6 +196,9 @@ class SessionHook(RequestHooks):
     def __init__(self, affinity: SessionAffinity) -> None:
         self._affinity = affinity
 
+    def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        self._affinity.sent(request, endpoint)  # counted now: sessions starting together see each other
+
     def on_headers(self, request: InferenceRequest, endpoint: Endpoint, headers: dict[str, str]) -> None:
         headers.update(self._affinity.response_headers(request, endpoint))
 

@@ -14,6 +14,7 @@ from gateway.admission.saturation import SaturationDetector
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.types import InferenceRequest
+from gateway.sessions.placement import SessionPlacement
 from gateway.sessions.responses import MemoryResponseStore, ResponseStore
 from gateway.sessions.store import SessionStore, SessionTokens
 
@@ -45,8 +46,11 @@ class SessionAffinity:
         metrics: GatewayMetrics,
         token_header: str | None,
         responses: ResponseStore | None = None,
+        placement: SessionPlacement | None = None,
     ) -> None:
         self.store = store
+        # live sessions per replica, counted at send (the session-balance scorer reads it)
+        self.placement = placement if placement is not None else SessionPlacement(1800.0, 1_000_000)
         # Responses API: response id → the replica that stored it (and the chain's session)
         self.responses = responses if responses is not None else MemoryResponseStore(86400.0, 100_000)
         self.tokens = tokens
@@ -83,6 +87,11 @@ class SessionAffinity:
                 return endpoint
         pin.state = PinState.GONE
         return None
+
+    def sent(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        """A request of a session went to ``endpoint``: count the session there (until a move)."""
+        if request.session_id and request.context.session is not None:
+            self.placement.place(request.session_id, endpoint.name)
 
     def after_routing(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         """Count the hit or the move (with its reason) and pin the session to ``endpoint``.
