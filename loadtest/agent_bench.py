@@ -48,7 +48,7 @@ from gateway.http.app import build_app
 from gateway.http.server import start_site
 from loadtest.harness.fleet import start_gateway
 from loadtest.harness.ports import free_port
-from loadtest.harness.scrape import fetch_metrics
+from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
 from loadtest.peers import start_peer
 from loadtest.realvllm.model import _WORDS as _VLLM_WORDS
 from loadtest.simulator import SimConfig
@@ -174,12 +174,6 @@ async def _cache_counters(http: aiohttp.ClientSession, urls: list[str]) -> tuple
     )
 
 
-async def _reset_caches(http: aiohttp.ClientSession, urls: list[str]) -> None:
-    for url in urls:
-        async with http.post(url + "/reset_prefix_cache") as resp:
-            resp.raise_for_status()
-
-
 async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | None = None) -> dict[str, Any]:
     """One policy on a fresh simulated fleet, or on the running real replicas ``fleet`` (caches reset)."""
     runners = []
@@ -195,7 +189,7 @@ async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | N
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             if fleet is not None:
-                await _reset_caches(http, urls)
+                await reset_prefix_caches(http, urls)
             hits_before, queries_before, served_before = await _cache_counters(http, urls)
             front = await _front(policy, urls, args.gateway_process)
             try:

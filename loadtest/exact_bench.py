@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
-from loadtest.harness.scrape import fetch_metrics
+from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
 from loadtest.realvllm.model import _WORDS, build_tokenizer
 
 MODEL = "sim-llama"
@@ -157,12 +157,6 @@ async def one(
     return Result(ttft or 0.0, predicted, cached, endpoint), "".join(text)
 
 
-async def _reset_caches(session: aiohttp.ClientSession, urls: list[str]) -> None:
-    for url in urls:
-        async with session.post(url + "/reset_prefix_cache") as resp:
-            resp.raise_for_status()
-
-
 async def run_arm(
     name: str, args: argparse.Namespace, workdir: Path, fleet: list[str] | None = None
 ) -> dict[str, Any]:
@@ -181,7 +175,7 @@ async def run_arm(
     else:
         replicas, urls = [], fleet
         async with aiohttp.ClientSession() as session:
-            await _reset_caches(session, urls)
+            await reset_prefix_caches(session, urls)
             for url in urls:
                 counters = await fetch_metrics(session, url)
                 before["hits"] += counters["hits"]

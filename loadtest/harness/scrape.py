@@ -12,7 +12,15 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ReplicaStats", "fetch_metrics", "normalize_url", "replica_deltas", "snapshot", "sum_samples"]
+__all__ = [
+    "ReplicaStats",
+    "fetch_metrics",
+    "normalize_url",
+    "replica_deltas",
+    "reset_prefix_caches",
+    "snapshot",
+    "sum_samples",
+]
 
 _HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
@@ -66,6 +74,14 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, f
         "queries": sum_samples(text, _QUERY_NAMES),
         "requests": sum_samples(text, _SUCCESS_NAMES),
     }
+
+
+async def reset_prefix_caches(session: aiohttp.ClientSession, urls: list[str]) -> None:
+    """Empty every replica's prefix cache (vLLM's dev-mode route; the simulator serves it too),
+    so a benchmark arm on a running fleet starts cold."""
+    for url in urls:
+        async with session.post(f"{normalize_url(url)}/reset_prefix_cache") as resp:
+            resp.raise_for_status()
 
 
 async def snapshot(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float] | str]:

@@ -3,11 +3,14 @@ ratio comes from the replicas' own counters, and rounds are reported as medians.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from loadtest import agent_bench
+from loadtest.simulator import SimConfig
+from loadtest.simulator.server import start_runner
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +35,28 @@ def test_every_turn_is_measured_and_the_shared_prompt_hits(capsys: pytest.Captur
         assert all(h is not None and h > 0 for h in row["per_turn_hit"][1:])  # usage was read
     # Pinned sessions find their whole history; round-robin finds it on every other turn.
     assert rows["session-aware"]["hit_ratio"] > rows["round-robin"]["hit_ratio"]
+
+
+async def test_a_running_fleet_is_reset_and_counted_as_deltas() -> None:
+    """The ``--engine vllm`` path (replicas that outlive the policies) on simulators: a second
+    policy on the same fleet starts cold, and its hit ratio is its own, not the sum of both."""
+    args = argparse.Namespace(
+        engine="sim", model="sim-llama", sessions=4, turns=3, system_words=200, turn_words=40,
+        output_tokens=8, apis="responses", gateway_process=False,
+    )  # fmt: skip
+    runners, urls = [], []
+    for _ in range(2):
+        runner, sim = await start_runner(SimConfig(port=0, time_scale=20.0, kv_blocks=256))
+        runners.append(runner)
+        urls.append(sim.url)
+    try:
+        first = await agent_bench.run_policy("session-aware", args, urls)
+        again = await agent_bench.run_policy("session-aware", args, urls)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert first["requests"] == again["requests"] == 12
+    # Without the reset the second run would find turn 1 cached too; counted as deltas, the
+    # same workload on a cold fleet gives the same ratio.
+    assert again["per_turn_hit"][0] == 0.0
+    assert abs(again["hit_ratio"] - first["hit_ratio"]) < 0.05
