@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 __all__ = [
+    "GATEWAY_CUT",
     "AuthUnavailable",
     "BadRequest",
     "Conflict",
@@ -37,6 +38,10 @@ __all__ = [
     "error_format",
     "error_response",
 ]
+
+# The cancel message of a handler the gateway itself ends (the shutdown timeout): code that
+# sees the CancelledError tells it from a client that went away (aiohttp cancels those bare).
+GATEWAY_CUT = "llm-gateway: request ended by the gateway"
 
 
 class ErrorFormat(StrEnum):

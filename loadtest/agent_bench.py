@@ -49,7 +49,7 @@ from gateway.http.server import start_site
 from loadtest.harness.fleet import start_gateway
 from loadtest.harness.ports import free_port
 from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
-from loadtest.peers import start_peer
+from loadtest.peers import start_router
 from loadtest.realvllm.model import _WORDS as _VLLM_WORDS
 from loadtest.simulator import SimConfig
 from loadtest.simulator.server import start_runner
@@ -147,7 +147,7 @@ class _Front:
 
 async def _front(policy: str, urls: list[str], own_process: bool) -> _Front:
     if policy.startswith("sglang-router:"):
-        peer = await start_peer("sglang-router", free_port("127.0.0.1"), urls, policy.split(":", 1)[1])
+        peer = await start_router(policy, urls)
         return _Front(peer.url, peer.stop)
     if own_process:  # `llm-gateway serve` in its own process, as the peer runs
         proc = await start_gateway(urls, ["--policy", policy])

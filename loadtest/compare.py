@@ -6,7 +6,10 @@
 
 Every (workload, target) run gets a fresh, cold fleet, so no run inherits another's
 caches. Targets: ``direct-rr`` (the client spreads requests round-robin over the
-replicas: no proxy), ``gateway:<policy>`` (``llm-gateway serve --policy``), and
+replicas: no proxy), ``gateway:<policy>`` (``llm-gateway serve --policy``;
+``gateway:<policy>@<N>`` with ``--workers N``; a ``+kv-events`` suffix starts that run's
+simulators publishing vLLM's KV events, so the gateway routes on exact state instead of
+its approximate index), and
 ``<peer>:<policy>`` for the PyPI peer routers (``loadtest/peers.py``; skipped with a
 note when not installed). The fleet is sized as issue 4 asks: each replica's KV cache
 is smaller than the workload's distinct prefixes, the fleet's total is larger.
@@ -70,8 +73,11 @@ async def _start_target(spec: str, urls: list[str], log_dir: Path) -> tuple[Targ
     kind, _, policy = spec.partition(":")
     if kind == "direct-rr":
         return DirectRoundRobinTarget(urls, label=spec), None
-    if kind == "gateway":
+    if kind == "gateway":  # gateway:<policy>[@<workers>]
+        policy, _, workers = policy.partition("@")
         args = ["--policy", policy] if policy else []
+        if workers:
+            args += ["--workers", workers]
         proc = await start_gateway(urls, args, log_dir=log_dir)
         return GatewayTarget(proc.url, label=spec), proc
     from loadtest.peers import start_peer
@@ -81,13 +87,21 @@ async def _start_target(spec: str, urls: list[str], log_dir: Path) -> tuple[Targ
     return GatewayTarget(f"http://127.0.0.1:{port}", label=spec), peer
 
 
+KV_EVENTS_SUFFIX = "+kv-events"
+
+
 async def _one(workload_name: str, spec: str, log_dir: Path, progress: bool) -> BenchResult:
     params, rate, concurrency, kv_blocks = WORKLOADS[workload_name]
-    replicas = await start_replicas(4, [*SIM_ARGS, "--kv-blocks", str(kv_blocks)], log_dir=log_dir)
+    sim_args = [*SIM_ARGS, "--kv-blocks", str(kv_blocks)]
+    target_spec = spec.removesuffix(KV_EVENTS_SUFFIX)
+    if target_spec != spec:
+        sim_args.append("--kv-events")
+    replicas = await start_replicas(4, sim_args, log_dir=log_dir)
     started: list[Any] = []
     try:
         urls = [r.url for r in replicas]
-        target, proc = await _start_target(spec, urls, log_dir)
+        target, proc = await _start_target(target_spec, urls, log_dir)
+        target.label = spec
         if proc is not None:
             started.append(proc)
         workload = make_workload(workload_name, model="sim-llama", seed=11, **params)

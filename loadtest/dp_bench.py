@@ -59,16 +59,14 @@ async def run_arm(name: str, args: argparse.Namespace, workdir: Path) -> dict[st
 
             async def worker() -> None:
                 for turn in turns:
-                    index, messages = work.next(turn)
-                    while index in busy:  # one request per conversation at a time
-                        index, messages = work.next(turn)
-                    busy.add(index)
-                    conversation = work.conversations[index]
+                    cid, messages = work.next(turn, busy)  # one request per conversation at a time
+                    busy.add(cid)
+                    conversation = work.conversations[cid]
                     prompt = sum(len(m["content"].split()) for m in messages)
                     try:
                         result, text = await one(session, gateway.url, messages)
                     finally:
-                        busy.discard(index)
+                        busy.discard(cid)
                     conversation.append({"role": "assistant", "content": text})
                     results.append((result, prompt))
 

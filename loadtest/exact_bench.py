@@ -1,4 +1,5 @@
-"""Exact (KV events) vs approximate vs round-robin routing, same workload, same run.
+"""Exact (KV events) vs approximate vs round-robin vs other routers' cost models and
+sglang-router, against the workload's hit ceiling: same workload, same run.
 
     .venv/bin/python -m loadtest.exact_bench [--replicas 3] [--kv-blocks 256] [--requests 600]
     .venv/bin/python -m loadtest.exact_bench --tokenizer tiny-markers \\
@@ -10,7 +11,11 @@ popularity, sized so that its working set is ~1.5× the fleet's KV cache (blocks
 evicted all the time). Reported per arm: the engines' own prefix-cache hit ratio
 (``vllm:prefix_cache_hits / queries``), client TTFT p50/p99 (streamed), and the mean
 |predicted − engine-reported| cached tokens (``x-gateway-predicted-cached-tokens`` with
-``x-gateway-debug: 1`` against ``usage.prompt_tokens_details.cached_tokens``).
+``x-gateway-debug: 1`` against ``usage.prompt_tokens_details.cached_tokens``; n/a where no
+gateway predicts), the busiest replica's share of the requests (the engines' own request
+counters), and the arm's hit ceiling: :mod:`loadtest.hit_ceiling` over the engine's tokens of
+the requests the arm sent. What each arm is (the ``dynamo-cost`` and ``llm-d-weights`` cost
+models, ``sglang-router``, ``ideal``): :mod:`loadtest.exact_arms`.
 
 ``--engine vllm`` runs every arm against the same real vLLM 0.32 (CPU build) replicas
 (``loadtest/realvllm``: KV events on, ``--kv-blocks`` blocks of 32 tokens each, the tiny
@@ -31,40 +36,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
+from loadtest.exact_arms import IDEAL, IDEAL_SIM_BLOCKS, PEERS, arm_names, start_front
+from loadtest.harness.fleet import start_replicas, stop_all
 from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
+from loadtest.hit_ceiling import Sent, ceiling, engine_tokens
 from loadtest.realvllm.model import _WORDS, build_tokenizer
 
 MODEL = "sim-llama"
-ARMS = {
-    "exact": (
-        "prefix-aware",
-        {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"source": "engine"}}}},
-    ),
-    # the engine's tokens computed in the gateway (needs --tokenizer: the engines tokenize the same way)
-    "exact-local": (
-        "prefix-aware",
-        {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": None}}}},
-    ),
-    # next turns matched on the previous turn's tokens, /tokenize in the background
-    "exact-reuse-turns": (
-        "prefix-aware",
-        {"prefix": {"exact": "auto", "kv_events": {"reuse_turn_tokens": True}}},
-    ),
-    "approximate": ("prefix-aware", {"prefix": {"exact": "off"}}),
-    "round-robin": ("round-robin", {"prefix": {"exact": "off"}}),
-}
+# real replicas: 2,048 tokens of context, 24 generated; a word of the workload is about a token,
+# answers can take more tokens than words, and the chat template adds a few per message
+VLLM_MAX_WORDS = 1500
+DEFAULT_ARMS = (
+    "exact,approximate,round-robin,dynamo-cost,dynamo-cost-engine,llm-d-weights,sglang-router,ideal"
+)
 
 
 def metric_value(text: str, sample: str) -> float | None:
@@ -79,15 +76,23 @@ def metric_value(text: str, sample: str) -> float | None:
 
 @dataclass
 class Workload:
-    """Documents (Zipf popularity) and conversations over them; the same seed, the same requests."""
+    """Documents (Zipf popularity) and conversations over them; the same seed, the same requests.
+
+    Conversations have stable ids (``conversations``: id → messages, oldest first), so a caller
+    can tell which are in flight; :meth:`next` picks among the others before it adds the turn.
+    """
 
     docs: int
     doc_tokens: int
     active: int
     seed: int = 1
     natural: bool = False  # words of the tiny Llama's vocabulary (about a token each), not d3w17-style ids
+    # a conversation this long (whitespace words, the next question included) is retired
+    # instead of sent: the real replicas' 2,048-token context answers longer prompts with 400
+    max_words: int | None = None
     rng: random.Random = field(init=False)
-    conversations: list[list[dict[str, str]]] = field(default_factory=list)
+    conversations: dict[int, list[dict[str, str]]] = field(default_factory=dict)
+    _next_id: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -106,17 +111,32 @@ class Workload:
             return f"question {turn}: " + " ".join(self.rng.choice(_WORDS) for _ in range(count))
         return f"q{turn} " + " ".join(f"u{turn}x{i}" for i in range(count))
 
-    def next(self, turn: int) -> tuple[int, list[dict[str, str]]]:
-        if len(self.conversations) < self.active or self.rng.random() < 0.25:
+    def next(self, turn: int, busy: Collection[int] = ()) -> tuple[int, list[dict[str, str]]]:
+        """The next prompt: (its conversation's id, its messages), for a conversation not in
+        ``busy`` (the ids in flight, whose answers are still to come). The conversation is
+        chosen first and only then given its new user turn (a conversation in flight is never
+        touched); a retired conversation is an idle one."""
+        idle = [cid for cid in self.conversations if cid not in busy]
+        if len(self.conversations) < self.active or not idle or self.rng.random() < 0.25:
             doc = self.rng.choices(range(self.docs), self.weights)[0]
-            conversation = [{"role": "system", "content": self.document(doc)}]
-            if len(self.conversations) >= self.active:
-                self.conversations.pop(self.rng.randrange(len(self.conversations)))
-            self.conversations.append(conversation)
-        index = self.rng.randrange(len(self.conversations))
-        conversation = self.conversations[index]
-        conversation.append({"role": "user", "content": self.question(turn)})
-        return index, list(conversation)
+            if len(self.conversations) >= self.active and idle:
+                del self.conversations[idle.pop(self.rng.randrange(len(idle)))]
+            cid, self._next_id = self._next_id, self._next_id + 1
+            self.conversations[cid] = [{"role": "system", "content": self.document(doc)}]
+            idle.append(cid)
+        cid = idle[self.rng.randrange(len(idle))]
+        conversation = self.conversations[cid]
+        question = self.question(turn)
+        if self.max_words is not None and _words(conversation) + len(question.split()) > self.max_words:
+            del self.conversations[cid]  # full: the same document starts over in a new conversation
+            cid, self._next_id = self._next_id, self._next_id + 1
+            conversation = self.conversations[cid] = [conversation[0]]
+        conversation.append({"role": "user", "content": question})
+        return cid, list(conversation)
+
+
+def _words(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].split()) for m in messages)
 
 
 @dataclass
@@ -124,7 +144,7 @@ class Result:
     ttft: float
     predicted: int
     cached: int
-    endpoint: str = ""
+    completion: int = 0
 
 
 async def one(
@@ -139,9 +159,9 @@ async def one(
     async with session.post(
         url + "/v1/chat/completions", json=body, headers={"x-gateway-debug": "1"}
     ) as resp:
-        resp.raise_for_status()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {(await resp.text())[:500]}")
         predicted = int(resp.headers.get("x-gateway-predicted-cached-tokens", "0"))
-        endpoint = resp.headers.get("x-gateway-endpoint", "")
         async for line in resp.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -154,42 +174,42 @@ async def one(
                     ttft = ttft if ttft is not None else time.perf_counter() - started
                     text.append(piece)
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Result(ttft or 0.0, predicted, cached, endpoint), "".join(text)
+    completion = (usage or {}).get("completion_tokens") or 0
+    return Result(ttft or 0.0, predicted, cached, completion), "".join(text)
 
 
 async def run_arm(
     name: str, args: argparse.Namespace, workdir: Path, fleet: list[str] | None = None
 ) -> dict[str, Any]:
     """One arm on fresh simulators, or on the running real replicas ``fleet`` (caches reset)."""
-    policy, config = ARMS[name]
-    if name == "exact-local":
-        if not args.tokenizer:
-            raise SystemExit("exact-local needs --tokenizer (the engines must tokenize as the gateway)")
-        config = {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": args.tokenizer}}}}
     model = args.model
-    before = {"hits": 0.0, "queries": 0.0}
+    replicas: list[Any] = []
+    workdir = workdir / name
+    workdir.mkdir(parents=True, exist_ok=True)
     if fleet is None:
-        sim_args = ["--kv-events", "--kv-blocks", str(args.kv_blocks), "--time-scale", str(args.time_scale)]
-        replicas = await start_replicas(args.replicas, sim_args, log_dir=workdir / name)
+        count, blocks = (1, IDEAL_SIM_BLOCKS) if name == IDEAL else (args.replicas, args.kv_blocks)
+        sim_args = ["--kv-events", "--kv-blocks", str(blocks), "--time-scale", str(args.time_scale)]
+        replicas = await start_replicas(count, sim_args, log_dir=workdir)
         urls = [r.url for r in replicas]
     else:
-        replicas, urls = [], fleet
-        async with aiohttp.ClientSession() as session:
+        urls = fleet
+    async with aiohttp.ClientSession() as session:
+        if fleet is not None:
             await reset_prefix_caches(session, urls)
-            for url in urls:
-                counters = await fetch_metrics(session, url)
-                before["hits"] += counters["hits"]
-                before["queries"] += counters["queries"]
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / f"{name}.json"  # JSON is YAML
-    config_path.write_text(json.dumps(config))
-    gateway = await start_gateway(
-        urls, ["--config", str(config_path), "--policy", policy], log_dir=workdir / name
-    )
+        before = [await fetch_metrics(session, url) for url in urls]
+    front = None
     try:
+        front = await start_front(name, urls, args, workdir)
         await asyncio.sleep(1.5)  # subscribers connect, first scrapes land
-        work = Workload(args.docs, args.doc_tokens, args.active, natural=bool(args.tokenizer))
+        work = Workload(
+            args.docs,
+            args.doc_tokens,
+            args.active,
+            natural=bool(args.tokenizer),
+            max_words=VLLM_MAX_WORDS if args.engine == "vllm" else None,
+        )
         results: list[Result] = []
+        sent: list[Sent] = []  # in the order sent, for the offline ceiling
         turns = iter(range(args.requests))
         lock = asyncio.Lock()
         busy: set[int] = set()
@@ -197,54 +217,83 @@ async def run_arm(
 
             async def worker() -> None:
                 for turn in turns:
-                    async with lock:
-                        index, messages = work.next(turn)
-                        while index in busy:  # one request per conversation at a time
-                            index, messages = work.next(turn)
-                        busy.add(index)
-                        conversation = work.conversations[index]
-                    try:
-                        result, text = await one(session, gateway.url, messages, model)
+                    async with lock:  # one request per conversation at a time
+                        cid, messages = work.next(turn, busy)
+                        busy.add(cid)
+                        conversation = work.conversations[cid]
+                        sent.append(request := Sent(cid, messages))
+                    try:  # a load balancer in front of several gateways: any turn, any gateway
+                        url = front.urls[turn % len(front.urls)]
+                        result, text = await one(session, url, messages, model)
                     finally:
-                        busy.discard(index)
+                        busy.discard(cid)
                     conversation.append({"role": "assistant", "content": text})
+                    request.completion_tokens = result.completion
                     results.append(result)
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-            async with session.get(gateway.url + "/metrics") as resp:
-                gateway_metrics = await resp.text()
+            gateway_metrics: list[str] = []
+            if front.predicts:
+                for url in front.urls:
+                    async with session.get(url + "/metrics") as resp:
+                        gateway_metrics.append(await resp.text())
             if args.dump_metrics:
-                for line in gateway_metrics.splitlines():
+                for line in "\n".join(gateway_metrics).splitlines():
                     if any(k in line for k in args.dump_metrics.split(",")) and not line.startswith("#"):
                         print(name, line)
-            hits, queries = -before["hits"], -before["queries"]
-            for url in urls:
-                counters = await fetch_metrics(session, url)
-                hits += counters["hits"]
-                queries += counters["queries"]
+            after = [await fetch_metrics(session, url) for url in urls]
+            await engine_tokens(session, urls[0], model, sent)
     finally:
-        await stop_all([gateway, *replicas])
+        if front is not None:
+            await front.stop()
+        await stop_all(replicas)
+    row = _row(name, results, before, after, gateway_metrics, front.predicts)
+    row["gateways"] = len(front.urls)
+    ceiling_hits, ceiling_queries = ceiling(sent, 32 if args.engine == "vllm" else 16)
+    row["ceiling"] = ceiling_hits / ceiling_queries if ceiling_queries else 0.0
+    return row
+
+
+def _row(
+    name: str,
+    results: list[Result],
+    before: list[dict[str, float]],
+    after: list[dict[str, float]],
+    gateway_metrics: list[str],
+    predicts: bool,
+) -> dict[str, Any]:
+    """One arm's numbers: engine counters as deltas over the arm, client TTFT, the gateway's
+    prediction error and token waits (``predicts``: only where a gateway predicted)."""
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
+    served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
     ttfts = sorted(r.ttft for r in results)
-    tokenize_s = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_sum") or 0.0
-    tokenize_n = metric_value(gateway_metrics, "llm_gateway_prefix_tokenize_seconds_count") or 0.0
-    local_s = metric_value(gateway_metrics, "llm_gateway_prefix_local_tokenize_seconds_sum") or 0.0
-    local_n = metric_value(gateway_metrics, "llm_gateway_prefix_local_tokenize_seconds_count") or 0.0
-    shares = sorted(
-        (sum(1 for r in results if r.endpoint == e) for e in {r.endpoint for r in results}), reverse=True
-    )
+
+    def summed(sample: str) -> float:  # over the gateway instances
+        return sum(metric_value(text, sample) or 0.0 for text in gateway_metrics)
+
+    tokenize_s = summed("llm_gateway_prefix_tokenize_seconds_sum")
+    tokenize_n = summed("llm_gateway_prefix_tokenize_seconds_count")
+    local_s = summed("llm_gateway_prefix_local_tokenize_seconds_sum")
+    local_n = summed("llm_gateway_prefix_local_tokenize_seconds_count")
+    nan = float("nan")
     return {
         "tokenize_ms": 1000 * tokenize_s / tokenize_n if tokenize_n else 0.0,
         "tokenize_calls": int(tokenize_n),
         "local_ms": 1000 * local_s / local_n if local_n else 0.0,
         "local_calls": int(local_n),
-        "max_share": shares[0] / len(results) if shares else 0.0,
+        "max_share": max(served) / sum(served) if sum(served) else 0.0,
         "arm": name,
         "requests": len(results),
         "hit_ratio": hits / queries if queries else 0.0,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "mean_abs_error_tokens": statistics.fmean(abs(r.predicted - r.cached) for r in results),
-        "exact_predictions": sum(1 for r in results if r.predicted == r.cached) / len(results),
+        "mean_abs_error_tokens": statistics.fmean(abs(r.predicted - r.cached) for r in results)
+        if predicts
+        else nan,
+        "exact_predictions": sum(r.predicted == r.cached for r in results) / len(results)
+        if predicts
+        else nan,
     }
 
 
@@ -255,10 +304,84 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, float):
             out[key] = statistics.median(r[key] for r in rows)
     out["requests"] = sum(r["requests"] for r in rows)
+    out["hit_range"] = (min(r["hit_ratio"] for r in rows), max(r["hit_ratio"] for r in rows))
+    out["hit_rounds"] = [round(r["hit_ratio"], 4) for r in rows]  # in round order (--json)
     return out
 
 
-def main() -> None:
+def _run_all(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Every arm, ``--rounds`` times interleaved (the shared host's load drifts); on real vLLM,
+    the fleet arms on one fleet, then ``ideal`` once on its own never-evicting replica."""
+    arms = args.arms.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+    if args.engine == "sim":
+        for round_ in range(args.rounds):
+            for name in arms:
+                runs[name].append(asyncio.run(run_arm(name, args, tmp / str(round_))))
+        return [_median(rows) for rows in runs.values()]
+    from loadtest.realvllm.fleet import (
+        MODEL_NAME,
+        ReplicaOptions,
+        ensure_model,
+        start_replicas,
+        stop_replicas,
+    )
+
+    args.model, args.tokenizer = MODEL_NAME, str(ensure_model())  # its tokenizer.json
+    fleet_arms = [name for name in arms if name != IDEAL]
+    if fleet_arms:
+        options = ReplicaOptions(num_blocks=args.kv_blocks, block_size=32, kv_events=True)
+        vllm = start_replicas(args.replicas, options, log_dir=tmp / "vllm", timeout_s=420)
+        try:
+            for round_ in range(args.rounds):
+                for name in fleet_arms:
+                    row = asyncio.run(run_arm(name, args, tmp / str(round_), [r.url for r in vllm]))
+                    runs[name].append(row)
+        finally:
+            stop_replicas(vllm)
+    if IDEAL in arms:  # the whole 1 GiB KV space: ~1M tokens of the tiny model, never full here
+        vllm = start_replicas(1, ReplicaOptions(block_size=32), log_dir=tmp / "vllm-ideal", timeout_s=420)
+        try:
+            runs[IDEAL].append(asyncio.run(run_arm(IDEAL, args, tmp / "ideal", [vllm[0].url])))
+        finally:
+            stop_replicas(vllm)
+    return [_median(rows) for rows in runs.values()]
+
+
+def _cell(value: float, spec: str) -> str:
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def _spread(hit_range: tuple[float, float]) -> str:
+    low, high = hit_range
+    return "" if low == high else f" ({low:.3f}-{high:.3f})"
+
+
+def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
+    """The markdown table; TTFT also as a ratio to ``baseline``'s, hits beside the arm's ceiling."""
+    base = next((r for r in rows if r["arm"] == baseline), rows[0])
+    print(
+        f"| arm | requests | engine hit ratio | ceiling (offline) | hit ÷ ceiling | TTFT p50 ms "
+        f"| p50 ÷ {base['arm']} | TTFT p99 ms | p99 ÷ {base['arm']} | mean abs(pred − actual) tokens "
+        "| exact predictions | busiest replica's share | /tokenize calls | mean /tokenize wait ms "
+        "| local tokenizations | mean local ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        exact = _cell(100 * r["exact_predictions"], ".1f")
+        print(
+            f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f}{_spread(r['hit_range'])} "
+            f"| {r['ceiling']:.3f} "
+            f"| {r['hit_ratio'] / r['ceiling'] if r['ceiling'] else 0:.2f} "
+            f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f} "
+            f"| {r['ttft_p99_ms']:.1f} | {r['ttft_p99_ms'] / base['ttft_p99_ms']:.2f} "
+            f"| {_cell(r['mean_abs_error_tokens'], '.1f')} | {exact}{'' if exact == 'n/a' else ' %'} "
+            f"| {r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} "
+            f"| {r['local_calls']} | {r['local_ms']:.2f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--replicas", type=int, default=3)
@@ -269,63 +392,44 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=16)
     parser.add_argument("--doc-tokens", type=int, default=700)
     parser.add_argument("--active", type=int, default=24, help="conversations open at once")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"of {', '.join([*arm_names(), *PEERS, IDEAL])}")
+    parser.add_argument("--baseline", default="exact", help="the arm TTFT ratios are taken against")
     parser.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved")
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="independent gateway processes per gateway arm, turns spread over them",
+    )
     parser.add_argument("--dump-metrics", default="", help="print gateway metric lines containing these")
     parser.add_argument(
         "--tokenizer",
         default="",
         help="a tokenizer directory for engines and exact-local (tiny, tiny-markers: build one)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON line")
+    args = parser.parse_args(argv)
     args.model = MODEL
     block_tokens = 32 if args.engine == "vllm" else 16
     fleet_tokens = args.replicas * args.kv_blocks * block_tokens
     working_set = args.docs * (args.doc_tokens + 3) + args.active * 4 * 80
     ratio = working_set / fleet_tokens
     print(f"fleet KV {fleet_tokens} tokens; working set ≈ {working_set} tokens ({ratio:.2f}×)")
-    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exact-bench-") as tmp:
         if args.tokenizer in ("tiny", "tiny-markers"):  # -markers: <|role|> are special tokens
             markers = args.tokenizer == "tiny-markers"
             args.tokenizer = str(build_tokenizer(Path(tmp) / "tokenizer", chat_markers=markers))
         if args.tokenizer:
             os.environ["LLMGW_SIM_TOKENIZER"] = args.tokenizer  # the simulators inherit it
-        vllm: list[Any] = []
-        if args.engine == "vllm":
-            from loadtest.realvllm.fleet import MODEL_NAME, ReplicaOptions, ensure_model, start_replicas
-
-            options = ReplicaOptions(num_blocks=args.kv_blocks, block_size=32, kv_events=True)
-            vllm = start_replicas(args.replicas, options, log_dir=Path(tmp) / "vllm", timeout_s=420)
-            args.model, args.tokenizer = MODEL_NAME, str(ensure_model())  # its tokenizer.json
-        try:
-            for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
-                for name in args.arms.split(","):
-                    fleet = [r.url for r in vllm] or None
-                    row = asyncio.run(run_arm(name, args, Path(tmp) / str(round_), fleet))
-                    runs.setdefault(name, []).append(row)
-        finally:
-            if vllm:
-                from loadtest.realvllm.fleet import stop_replicas
-
-                stop_replicas(vllm)
-    rows = [_median(arm_runs) for arm_runs in runs.values()]
+        rows = _run_all(args, Path(tmp))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
     if args.rounds > 1:
         print(f"medians over {args.rounds} interleaved rounds")
-    print(
-        "| arm | requests | engine hit ratio | TTFT p50 ms | TTFT p99 ms "
-        "| mean abs(pred − actual) tokens | exact predictions | busiest replica's share "
-        "| /tokenize calls | mean /tokenize wait ms | local tokenizations | mean local ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f} | {r['ttft_p50_ms']:.1f} | "
-            f"{r['ttft_p99_ms']:.1f} | {r['mean_abs_error_tokens']:.1f} | {r['exact_predictions']:.1%} | "
-            f"{r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} | "
-            f"{r['local_calls']} | {r['local_ms']:.2f} |"
-        )
+    print_table(rows, args.baseline)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -98,8 +98,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         config = Path(tempfile.mkdtemp(prefix="kv-rate-")) / "gateway.yaml"
-        endpoint = {"url": sims[0].url, "kv_events": {"endpoint": f"tcp://127.0.0.1:{publisher.port}",
-                    "replay_endpoint": f"tcp://127.0.0.1:{publisher.replay_port}", "topic": publisher.topic}}
+        endpoint = {
+            "url": sims[0].url,
+            "kv_events": {
+                "endpoint": f"tcp://127.0.0.1:{publisher.port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{publisher.replay_port}",
+                "topic": publisher.topic,
+            },
+        }
         config.write_text(json.dumps({"endpoints": [endpoint], "prefix": {"exact": "auto"}}))  # fmt: skip
         gateway = await start_gateway([], ["--config", str(config)])
         procs.append(gateway)

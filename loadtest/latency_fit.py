@@ -12,6 +12,10 @@ them extending one of four shared prefixes, so prefix hits vary) are sent in pha
 and prefill features move. After a warm-up the table gives the model's error against
 the observed TTFT, next to a baseline in the same run: the warm-up's mean TTFT as a
 constant prediction (what a model without features would say).
+
+``--rounds N`` repeats the run N times on the same replicas, each round with a fresh gateway
+(an untrained model), the replicas' prefix caches emptied, and its own warm-up constant; the
+table pools the rounds' measured answers.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.harness.fleet import start_gateway, start_replicas, stop_all
+from loadtest.harness.scrape import reset_prefix_caches
 from loadtest.workloads import pseudo_text
 
 __all__ = ["main", "summarise"]
@@ -87,30 +92,54 @@ async def _drive(
     return pairs
 
 
-def summarise(pairs: list[tuple[float, float]], warmup: int) -> dict[str, Any]:
-    """The model's error after ``warmup`` answers, and the constant-mean baseline's."""
-    warm, measured = pairs[:warmup], pairs[warmup:]
-    if not measured:
+def measured(pairs: list[tuple[float, float]], warmup: int) -> list[tuple[float, float, float]]:
+    """(model's prediction, observed, constant) for the answers after ``warmup``; the constant is
+    the warm-up's mean TTFT, what a model without features would have said."""
+    warm, rest = pairs[:warmup], pairs[warmup:]
+    if not rest:
+        return []
+    constant = statistics.fmean(o for _, o in warm) if warm else statistics.fmean(o for _, o in rest)
+    return [(p, o, constant) for p, o in rest]
+
+
+def summarise(triples: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """The model's error against the observed TTFT, and the constant baseline's, same answers."""
+    if not triples:
         return {"measured": 0}
-    constant = statistics.fmean(o for _, o in warm) if warm else statistics.fmean(o for _, o in measured)
 
     def errors(predict: list[float]) -> dict[str, float]:
-        abs_err = [abs(p - o) for p, (_, o) in zip(predict, measured, strict=True)]
-        rel = sorted(abs(p - o) / o for p, (_, o) in zip(predict, measured, strict=True) if o > 0)
+        abs_err = [abs(p - o) for p, (_, o, _) in zip(predict, triples, strict=True)]
+        rel = sorted(abs(p - o) / o for p, (_, o, _) in zip(predict, triples, strict=True) if o > 0)
         return {
             "mae_ms": round(statistics.fmean(abs_err), 1),
             "median_rel_err": round(statistics.median(rel), 3),
             "p90_rel_err": round(rel[int(0.9 * (len(rel) - 1))], 3),
         }
 
-    observed = [o for _, o in measured]
+    observed = [o for _, o, _ in triples]
     return {
-        "measured": len(measured),
+        "measured": len(triples),
         "observed_ttft_ms": {"mean": round(statistics.fmean(observed), 1),
                              "p50": round(statistics.median(observed), 1), "max": round(max(observed), 1)},
-        "model": errors([p for p, _ in measured]),
-        "constant_mean": errors([constant] * len(measured)),
+        "model": errors([p for p, _, _ in triples]),
+        "constant_mean": errors([c for _, _, c in triples]),
     }  # fmt: skip
+
+
+async def _round(urls: list[str], model: str, prompts: list[str], out_dir: Path) -> dict[str, Any]:
+    """A fresh gateway (an untrained model) in front of the fleet, its prefix caches emptied first."""
+    async with aiohttp.ClientSession() as http:
+        await reset_prefix_caches(http, urls)
+    config = out_dir / "gateway.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text("scrape: {interval_s: 0.25}\nadmission: {slo: {min_samples: 10}}\n")
+    gateway = await start_gateway(urls, ["--policy", "slo-aware", "--config", str(config)])
+    try:
+        failed: Counter[str] = Counter()
+        pairs = await _drive(gateway.url, model, prompts, PHASES, failed)
+        return {"answered": len(pairs), "failed": dict(failed), "pairs": pairs}
+    finally:
+        await stop_all([gateway])
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,17 +158,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sims = await start_replicas(2, ["--max-num-seqs", "2", "--time-scale", "2"])
             procs += sims
             urls, model, max_words = [s.url for s in sims], SIM_MODEL, 3000
-        config = Path(args.out) / "gateway.yaml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text("scrape: {interval_s: 0.25}\nadmission: {slo: {min_samples: 10}}\n")
-        gateway = await start_gateway(urls, ["--policy", "slo-aware", "--config", str(config)])
-        procs.append(gateway)
         prompts = _prompts(args.requests, max_words, seed=11)
+        triples: list[tuple[float, float, float]] = []
         failed: Counter[str] = Counter()
-        pairs = await _drive(gateway.url, model, prompts, PHASES, failed)
-        return {"engine": args.engine, "sent": args.requests, "answered": len(pairs), "failed": dict(failed),
-                "warmup": args.warmup,
-                **summarise(pairs, args.warmup)}  # fmt: skip
+        for _ in range(args.rounds):
+            result = await _round(urls, model, prompts, Path(args.out))
+            triples.extend(measured(result["pairs"], args.warmup))
+            failed.update(result["failed"])
+        return {"engine": args.engine, "sent": args.requests * args.rounds, "rounds": args.rounds,
+                "warmup": args.warmup, "failed": dict(failed), **summarise(triples)}  # fmt: skip
     finally:
         await stop_all(procs)
         if vllm_replicas:
@@ -155,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--out", default="bench-results/latency-fit")
+    parser.add_argument("--rounds", type=int, default=1, help="fresh gateways on the same replicas")
     args = parser.parse_args(argv)
     out = asyncio.run(run(args))
     path = Path(args.out)

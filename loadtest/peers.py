@@ -41,6 +41,7 @@ __all__ = [
     "peer_available",
     "peers_python",
     "start_peer",
+    "start_router",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -280,3 +281,12 @@ async def start_peer(
         raise
     peer.startup_s = time.monotonic() - started
     return peer
+
+
+async def start_router(
+    spec: str, worker_urls: list[str], *, log_dir: str | os.PathLike[str] | None = None
+) -> PeerProcess:
+    """``NAME:POLICY`` (``sglang-router:cache_aware``) in front of ``worker_urls`` on a free
+    loopback port: how the benchmarks name a peer router as one of their arms or policies."""
+    name, _, policy = spec.partition(":")
+    return await start_peer(name, free_port("127.0.0.1"), worker_urls, policy, log_dir=log_dir)

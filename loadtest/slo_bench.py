@@ -104,12 +104,17 @@ def _gateway_config(policy: str) -> Path:
     return path
 
 
-def summarise(result: BenchResult, span_s: float) -> dict[str, Any]:
-    """Per class and overall: sent, ok, shed, attainment, TTFT p99; goodput over ``span_s``."""
+def summarise(results: list[BenchResult], span_s: float) -> dict[str, Any]:
+    """Per class and overall: sent, ok, shed, attainment, TTFT p99; goodput over ``span_s``.
+
+    Several rounds of one arm are pooled: a class's p99 over 90 requests of one round is
+    its slowest one or two, over five rounds it is a percentile.
+    """
     rows: dict[str, Any] = {}
     met_total = shed_total = 0
+    pooled = [r for result in results for r in result.records]
     for cls, (_, slo_ms, _) in CLASSES.items():
-        records = [r for r in result.records if r.priority == cls]
+        records = [r for r in pooled if r.priority == cls]
         ok = [r for r in records if r.ok]
         met = [r for r in ok if r.ttft is not None and r.ttft * 1000 <= slo_ms]
         shed = sum(1 for r in records if r.status == 429)
@@ -122,9 +127,10 @@ def summarise(result: BenchResult, span_s: float) -> dict[str, Any]:
             "shed": shed,
             "other": len(records) - len(ok) - shed,
             "attainment": round(len(met) / len(records), 3) if records else None,
+            "ttft_p50_ms": round((percentile(ttfts, 50) or 0) * 1000),
             "ttft_p99_ms": round((percentile(ttfts, 99) or 0) * 1000),
         }
-    sent = len(result.records)
+    sent = len(pooled)
     return {
         "sent": sent,
         "goodput_rps": round(met_total / span_s, 2),
@@ -132,6 +138,29 @@ def summarise(result: BenchResult, span_s: float) -> dict[str, Any]:
         "shed_rate": round(shed_total / sent, 3) if sent else None,
         "classes": rows,
     }
+
+
+def _class_ttfts(results: list[BenchResult], cls: str) -> list[float]:
+    return [r.ttft for result in results for r in result.records if r.priority == cls and r.ok and r.ttft]
+
+
+def p99_ratio(base: list[float], arm: list[float], *, draws: int = 1000, seed: int = 0) -> list[float] | None:
+    """``arm``'s TTFT p99 over ``base``'s, with a 90 % bootstrap interval: [ratio, low, high].
+
+    A class's p99 rests on its slowest few requests, so a single ratio says little; the
+    interval (requests resampled with replacement within each arm) says whether a
+    difference is more than the luck of which requests were slow.
+    """
+    if len(base) < 20 or len(arm) < 20:
+        return None
+    rng = random.Random(seed)
+
+    def p99_of_a_resample(ttfts: list[float]) -> float:
+        return percentile(rng.choices(ttfts, k=len(ttfts)), 99) or 0
+
+    ratios = sorted(p99_of_a_resample(arm) / (p99_of_a_resample(base) or 1) for _ in range(draws))
+    point = (percentile(arm, 99) or 0) / (percentile(base, 99) or 1)
+    return [round(point, 3), round(ratios[int(0.05 * draws)], 3), round(ratios[int(0.95 * draws) - 1], 3)]
 
 
 async def _measure_capacity(duration_s: float) -> float:
@@ -147,7 +176,9 @@ async def _measure_capacity(duration_s: float) -> float:
         await stop_all(replicas)
 
 
-async def _run(policy: str, replicas_n: int, rate: float, count: int, duration_s: float) -> dict[str, Any]:
+async def _run(
+    policy: str, replicas_n: int, rate: float, count: int, duration_s: float
+) -> tuple[BenchResult, float]:
     replicas = await start_replicas(replicas_n, _sim_args())
     procs: list[Any] = list(replicas)
     try:
@@ -167,7 +198,7 @@ async def _run(policy: str, replicas_n: int, rate: float, count: int, duration_s
             deadline_s=duration_s + 30, progress=False, name=policy,
         )  # fmt: skip
         span = duration_s if math.isfinite(rate) else result.duration_s
-        return summarise(result, span)
+        return result, span
     finally:
         await stop_all(procs)
 
@@ -181,23 +212,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan.append(("burst 150 from idle (2x2 slots)", 2, math.inf, 150))
     from loadtest.peers import peer_available
 
-    policies = ["default", "slo-aware"] + (["sglang-router"] if peer_available("sglang-router") else [])
+    policies = args.policies.split(",")
+    if "sglang-router" in policies and not peer_available("sglang-router"):
+        policies.remove("sglang-router")
     if not args.burst:
         plan.pop()
+    out["rounds"] = args.rounds
     for label, replicas_n, rate, count in plan:
+        results: dict[str, list[tuple[BenchResult, float]]] = {p: [] for p in policies}
+        for round_ in range(args.rounds):  # arms interleaved: the shared host's load drifts
+            for policy in policies:
+                result, span = await _run(policy, replicas_n, rate, count, args.duration)
+                results[policy].append((result, span))
+                one = {"load": label, "policy": policy, "round": round_, **summarise([result], span)}
+                print(json.dumps(one), file=sys.stderr, flush=True)
         for policy in policies:
-            row = await _run(policy, replicas_n, rate, count, args.duration)
+            pooled = [r for r, _ in results[policy]]
+            row = summarise(pooled, sum(s for _, s in results[policy]))
             row.update(load=label, policy=policy)
+            if policy != "default" and "default" in results:
+                base = [r for r, _ in results["default"]]
+                row["p99_vs_default"] = {
+                    c: p99_ratio(_class_ttfts(base, c), _class_ttfts(pooled, c)) for c in CLASSES
+                }
             out["runs"].append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
     return out
 
 
 def markdown(out: dict[str, Any]) -> str:
     classes = list(CLASSES)
-    head = " | ".join(f"{c} att. / p99 ms" for c in classes)
+    head = " | ".join(f"{c} att. / p50 / p99 ms" for c in classes)
     lines = [
-        f"fleet capacity (measured): {out['capacity_rps']} req/s; {out['duration_s']:g} s of arrivals a run",
+        f"fleet capacity (measured): {out['capacity_rps']} req/s; {out['duration_s']:g} s of arrivals a run, "
+        f"{out.get('rounds', 1)} round(s) per arm, interleaved, pooled",
         "",
         f"| load | policy | sent | goodput req/s | attainment | shed | {head} |",
         "|---|---|---:|---:|---:|---:|" + "---:|" * len(classes),
@@ -206,11 +253,22 @@ def markdown(out: dict[str, Any]) -> str:
         cells = []
         for c in classes:
             cell = row["classes"][c]
-            cells.append(f"{cell['attainment']:.2f} / {cell['ttft_p99_ms']:,}" if cell["sent"] else "–")
+            ttft = f"{cell['ttft_p50_ms']:,} / {cell['ttft_p99_ms']:,}"
+            cells.append(f"{cell['attainment']:.2f} / {ttft}" if cell["sent"] else "–")
         lines.append(
             f"| {row['load']} | {row['policy']} | {row['sent']} | {row['goodput_rps']} | "
             f"{row['attainment']:.2f} | {row['shed_rate']:.2f} | " + " | ".join(cells) + " |"
         )
+    compared = [row for row in out["runs"] if row.get("p99_vs_default")]
+    if compared:
+        lines += ["", "TTFT p99 ÷ the default's, same run, [90 % bootstrap interval]:", ""]
+        lines += [f"| load | policy | {' | '.join(classes)} |", "|---|---|" + "---:|" * len(classes)]
+        for row in compared:
+            cells = []
+            for c in classes:
+                ratio = row["p99_vs_default"][c]
+                cells.append(f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]" if ratio else "–")
+            lines.append(f"| {row['load']} | {row['policy']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -222,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-s", type=float, default=8.0, help="closed-loop capacity measurement")
     parser.add_argument("--out", default="bench-results/slo")
     parser.add_argument("--no-burst", dest="burst", action="store_false", help="skip the burst rows")
+    parser.add_argument("--policies", default="default,slo-aware,sglang-router", help="arms, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per arm and load, interleaved and pooled")
     args = parser.parse_args(argv)
     from gateway.http.server import install_uvloop
 

@@ -12,6 +12,7 @@ from policies.profiles import pd_disagg, single
 from policies.scorers import (
     cache_room,
     in_flight,
+    kv_block_cost,
     kv_utilization,
     lora_affinity,
     prefix_affinity,
@@ -32,6 +33,7 @@ BUILTIN_PLUGINS: dict[PluginKind, tuple[ModuleType, ...]] = {
         in_flight,
         prefix_affinity,
         prefix_cost,
+        kv_block_cost,
         cache_room,
         session_affinity,
         session_balance,

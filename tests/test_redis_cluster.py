@@ -212,8 +212,12 @@ async def test_two_gateways_share_the_cluster_through_a_master_failover(
 
 
 async def ready(url: str) -> ClusterClient:
-    """A cluster client that has learnt the slot map (a fresh one takes ~0.5-2 s on a busy box)."""
-    client = redis_client(url)
+    """A cluster client that has learnt the slot map (a fresh one takes ~0.5-2 s on a busy box).
+
+    Socket deadlines are the production default's ×5: on a loaded host the reply to the
+    cluster client's ``COMMAND`` (all of Redis' command table) once took over 1 s and the
+    test failed before it began; what these tests time is the gateway's budget, not this."""
+    client = redis_client(url, socket_connect_timeout=2.5, socket_timeout=5.0)
     assert isinstance(client, ClusterClient)
     await client.initialize()
     return client

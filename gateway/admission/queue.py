@@ -43,6 +43,7 @@ from gateway.request.types import InferenceRequest, Priority
 __all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftPredictor", "rewrite_body"]
 
 _PRIORITIES = tuple(Priority)
+_TIMER_SLACK_S = 0.002  # a deadline timer fires this late, so that it never fires before the deadline
 _SLO_SCAN = 32  # queued requests per tenant a drain pass re-predicts before giving up on the tenant
 
 
@@ -134,11 +135,13 @@ class AdmissionController:
             if self.critical_in_flight < self._config.critical_max_concurrency:
                 return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
             return await self._wait(request, self._critical)
-        saturated = self._saturated(request.model)
-        if priority == "sheddable":
+        if priority == "sheddable":  # admitted or refused once: on what the engines really hold
+            await self._detector.settle(self._candidates_for(request.model), self._config.burst_settle_s)
+            saturated = self._saturated(request.model)
             if not saturated and not self.queued():
                 await self._check_slo(request)
             return self._admit_sheddable(request, saturated)
+        saturated = self._saturated(request.model)
         slo_gated = await self._slo_gated(request)
         if not saturated and not self.queued() and not (slo_gated and self._slo_verdict(request) is False):
             return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
@@ -155,13 +158,16 @@ class AdmissionController:
         await self._ttft.prepare(request, self._candidates_for(request.model))
         return True
 
-    def _slo_verdict(self, request: InferenceRequest) -> bool | None:
+    def _slo_verdict(self, request: InferenceRequest, now: float | None = None) -> bool | None:
         """Predicted to get its first token before its deadline (True/False); None: no trusted
-        prediction, or the deadline has passed (then being fast no longer helps it)."""
+        prediction, or the deadline has passed (then being fast no longer helps it).
+
+        A drain pass passes its own ``now``: were the clock read again here, a waiter the pass
+        saw before its deadline could be past it by now, read as "no verdict" and sent."""
         slo = request.slo
         if self._ttft is None or slo is None or slo.deadline is None:
             return None
-        left_ms = (slo.deadline - time.monotonic()) * 1000
+        left_ms = (slo.deadline - (time.monotonic() if now is None else now)) * 1000
         if left_ms <= 0:
             return None
         best = self._ttft.best_ms(request, self._candidates_for(request.model))
@@ -219,7 +225,9 @@ class AdmissionController:
             if deadline is None:
                 deadline = waiter.enqueued_at + self._config.queue_timeout_s
             elif slo_gated:  # at its deadline it is dropped or stops waiting for a prediction
-                waiter.timer = loop.call_later(max(0.0, deadline - waiter.enqueued_at), self.wake)
+                # uvloop's timers run on a millisecond clock and may fire up to 1 ms early.
+                delay = max(0.0, deadline - time.monotonic()) + _TIMER_SLACK_S
+                waiter.timer = loop.call_later(delay, self.wake)
             waiter.due = deadline
             bisect.insort_right(queue, waiter, key=_due)  # after equal deadlines: FIFO among them
             self._queued_standard += 1
@@ -299,7 +307,7 @@ class AdmissionController:
             if waiter.due > now:
                 if not waiter.slo_gated:
                     return waiter
-                if self._slo_verdict(waiter.request) is not False:
+                if self._slo_verdict(waiter.request, now) is not False:
                     return waiter
                 scanned += 1
                 if scanned >= _SLO_SCAN:

@@ -5,14 +5,26 @@ utilisation ≥ ``kv_utilization_threshold`` (llm-d's utilisation detector defau
 5 and 0.8). Both are estimates *now*, not at the last scrape, so that a burst from an
 idle fleet is seen from its first requests:
 
-- queue: the engine's scraped ``waiting`` plus what the gateway sent since that scrape
-  if the engine was already queueing then; and, once the replica's batch capacity is
+- queue: the engine's scraped ``waiting`` plus what the gateway sent since that scrape,
+  minus what finished since (each finished request let a waiting one in), if the engine
+  was already queueing then; and, once the replica's batch capacity is
   known, everything the gateway has in flight beyond that capacity. The capacity is the
   configured ``max_num_seqs``, else learned: the most requests the engine ran at a
   scrape where others were waiting (only then is ``running`` its limit — learning from
   any scrape would call a replica that merely has not been busy yet saturated);
 - KV: the scraped utilisation plus the prompt tokens sent since that scrape, against the
   engine's KV size from ``cache_config_info``.
+
+Engines do not export ``max_num_seqs``, so on a fleet that has never queued the capacity is
+unknown and a burst from idle would stay invisible until the next scrape. Hence
+:meth:`SaturationDetector.note_sent`: once the gateway's in-flight requests to such a
+replica grew by ``burst_scrape_requests`` since its last scrape, it asks for a scrape at
+once (``request_scrape``, the poller's, rate-limited there); that scrape shows the engine
+queueing and teaches the capacity. Until it answers, sheddable admission to those
+replicas waits for it (:meth:`SaturationDetector.settle`, a few milliseconds, at most
+``burst_settle_s``), so the rest of the burst is admitted or refused on what the engines
+really hold. Standard work is queued, never refused, so it does not wait: holding it
+released the burst into the scheduler all at once, which piled it on one replica.
 
 Stale metrics are "unknown", never "saturated": a pool whose every replica is
 unknown is *not* saturated (fail open). llm-d once failed closed here and turned a
@@ -21,6 +33,7 @@ metrics outage into 500s for everyone.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Sequence
 
@@ -36,20 +49,41 @@ class SaturationDetector:
         # upstream client's count, wired by the app); they are in ``in_flight`` but the engine
         # has not seen them, so they are queued, whatever its metrics say.
         self.pool_waiting: Callable[[Endpoint], int] = lambda endpoint: 0
+        # Scrape this endpoint now (the metrics poller's, wired by the app; rate-limited there).
+        self.request_scrape: Callable[[Endpoint], None] = lambda endpoint: None
+        self.scraping_soon: Callable[[Sequence[Endpoint]], list[asyncio.Task[None]]] = lambda endpoints: []
         self.reconfigure(config)
 
     def reconfigure(self, config: AdmissionConfig) -> None:
         self._queue_threshold = config.queue_depth_threshold
         self._kv_threshold = config.kv_utilization_threshold
         self._endpoint_cap = config.endpoint_max_concurrency
+        self._burst_requests = config.burst_scrape_requests
+
+    def note_sent(self, endpoint: Endpoint) -> None:
+        """A request was just sent to ``endpoint``: scrape it at once if that is a burst we are blind to."""
+        burst = self._burst_requests
+        if not burst or endpoint.max_num_seqs or endpoint.learned_capacity:
+            return  # capacity known: in-flight beyond it already counts as queued, no scrape needed
+        at_scrape = endpoint.metrics.in_flight_at_scrape
+        # Growth relative to what the engine last saw: a ramp on a large engine scrapes ~log(n) times.
+        if endpoint.in_flight - at_scrape >= max(burst, at_scrape // 4):
+            self.request_scrape(endpoint)
 
     def observe(self, endpoint: Endpoint) -> None:
         """Called right after each successful scrape: learn the batch capacity, note the tokens."""
         metrics = endpoint.metrics
         metrics.in_flight_tokens_at_scrape = endpoint.in_flight_tokens
+        metrics.pooled_at_scrape = self.pool_waiting(endpoint)
         running, waiting = metrics.running, metrics.waiting
         if running is not None and waiting is not None and waiting > 0 and math.isfinite(running):
             endpoint.learned_capacity = max(endpoint.learned_capacity, int(running))
+
+    async def settle(self, candidates: Sequence[Endpoint], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the burst-triggered scrapes of ``candidates`` in progress."""
+        tasks = self.scraping_soon(candidates)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)  # never cancels them: other requests wait too
 
     def capacity(self, endpoint: Endpoint) -> int | None:
         """Requests the engine runs at once, if known (configured, else learned)."""
@@ -63,8 +97,8 @@ class SaturationDetector:
         pooled = self.pool_waiting(endpoint)
         sent = endpoint.in_flight - pooled  # what reached the engine
         waiting = metrics.waiting
-        if waiting > 0:
-            waiting += max(0, sent - metrics.in_flight_at_scrape)
+        if waiting > 0:  # sent since the scrape joined the queue; each one finished since left it
+            waiting = max(0.0, waiting + sent - (metrics.in_flight_at_scrape - metrics.pooled_at_scrape))
         capacity = self.capacity(endpoint)
         if capacity is not None:
             waiting = max(waiting, sent - capacity)

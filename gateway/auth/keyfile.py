@@ -8,6 +8,7 @@ tenants:
     requests_per_minute: 600      # missing or 0: unlimited
     tokens_per_minute: 200000     # missing or 0: unlimited
     debug: false                  # may see the routing debug header
+    slo_ttft_ms: 2000             # objectives when a request sends no x-slo-* header (optional)
 keys:
   - sha256: 3f1c…                 # hex sha256 of the key (64 digits)
     tenant: acme

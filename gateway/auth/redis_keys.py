@@ -52,9 +52,8 @@ def tenant_key(prefix: str, tenant: str) -> str:
 async def add_key(redis: aioredis.Redis, prefix: str, raw_key: str, tenant_spec: Tenant) -> str:
     """Store the tenant's spec (replacing it) and the key's hash; returns the hash. For tests and a CLI."""
     digest = hash_key(raw_key)
-    await redis.set(
-        tenant_key(prefix, tenant_spec.name), TenantSpec.from_tenant(tenant_spec).model_dump_json()
-    )
+    record = TenantSpec.from_tenant(tenant_spec).model_dump_json(exclude_none=True)  # unset: absent
+    await redis.set(tenant_key(prefix, tenant_spec.name), record)
     await redis.hset(
         apikey_key(prefix, digest), mapping={"tenant": tenant_spec.name, "name": tenant_spec.key_name}
     )

@@ -31,10 +31,16 @@ class Tenant:
     requests_per_minute: int = 0  # 0: unlimited
     tokens_per_minute: int = 0  # 0: unlimited
     debug: bool = False  # may see the routing debug header
+    slo_ttft_ms: float | None = None  # objectives for its requests that send no x-slo-* header
+    slo_tpot_ms: float | None = None
     key_name: str = field(default="", compare=False)
 
     def allows_model(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    @property
+    def slo_objectives(self) -> tuple[float | None, float | None]:
+        return self.slo_ttft_ms, self.slo_tpot_ms
 
     @property
     def limited(self) -> bool:
@@ -51,6 +57,12 @@ class TenantSpec(BaseModel):
     requests_per_minute: int = Field(0, ge=0, description="0 = unlimited")
     tokens_per_minute: int = Field(0, ge=0, description="0 = unlimited")
     debug: bool = False
+    slo_ttft_ms: float | None = Field(
+        None, gt=0, le=3_600_000, description="TTFT objective of its requests without x-slo-* headers"
+    )
+    slo_tpot_ms: float | None = Field(
+        None, gt=0, le=3_600_000, description="TPOT objective of its requests without x-slo-* headers"
+    )
 
     # ``models:`` or ``requests_per_minute:`` written with no value reads as null: same as missing.
     @field_validator("models", mode="before")
@@ -71,6 +83,8 @@ class TenantSpec(BaseModel):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             debug=self.debug,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
             key_name=key_name,
         )
 
@@ -82,4 +96,6 @@ class TenantSpec(BaseModel):
             requests_per_minute=tenant.requests_per_minute,
             tokens_per_minute=tenant.tokens_per_minute,
             debug=tenant.debug,
+            slo_ttft_ms=tenant.slo_ttft_ms,
+            slo_tpot_ms=tenant.slo_tpot_ms,
         )

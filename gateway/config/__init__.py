@@ -65,6 +65,9 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     workers: int = Field(1, ge=1, le=64, description="processes sharing the port via SO_REUSEPORT")
+    worker_table_rows: int = Field(
+        1024, ge=1, le=1 << 20, description="workers > 1: endpoints whose load the workers share"
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     access_log: Literal["off", "json"] = Field("off", description="json: one JSON line per request")
@@ -185,6 +188,16 @@ class AdmissionConfig(_Strict):
     critical_max_concurrency: int = Field(256, ge=1)
     max_concurrency: int = Field(0, ge=0, description="global in-flight cap; 0 = none")
     endpoint_max_concurrency: int = Field(0, ge=0, description="per-endpoint in-flight cap; 0 = none")
+    burst_scrape_requests: int = Field(
+        4,
+        ge=0,
+        description="scrape a replica at once when the gateway's in-flight requests to it grew by this"
+        " many since its last scrape and its batch capacity is not known yet (a burst from idle);"
+        " 0 = only on the interval",
+    )
+    burst_settle_s: float = Field(
+        0.25, ge=0, description="a sheddable request waits at most this long for such a scrape's answer"
+    )
     retry_after_s: float = Field(1.0, gt=0)
     degrade: DegradeConfig = Field(default_factory=DegradeConfig)
     slo: SloConfig = Field(default_factory=SloConfig)

@@ -84,6 +84,9 @@ class ScrapeConfig(_Strict):
     timeout_s: float = Field(1.0, gt=0, description="a busy engine's /metrics can take over 0.5 s")
     stale_after_s: float = Field(3.0, gt=0)
     enabled: bool = True
+    burst_min_interval_s: float = Field(
+        0.02, ge=0, description="at most one burst-triggered scrape of a replica this often (admission)"
+    )
 
 
 class KubernetesDiscoveryConfig(_Strict):

@@ -94,6 +94,15 @@ class ExactPrefixConfig(_Strict):
         "model's template is seen to extend turns) and fetch its own in the background: no /tokenize "
         "wait on the critical path, but blocks of the engine's own answer are not predicted",
     )
+    pending_blocks: bool = Field(
+        True,  # measured: docs/benchmarks.md §11 "Pending blocks"
+        description="route on blocks sent to a replica and not reported by its engine yet: a request's "
+        "blocks count as cached there (for routing only, never in the predicted cached tokens) from "
+        "its send until the engine's BlockStored, or its first byte plus pending_grace_s",
+    )
+    pending_grace_s: float = Field(
+        0.5, ge=0, description="how long pending blocks outlive their request's first byte (event lag)"
+    )
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     max_blocks_per_endpoint: int = Field(
         1_048_576, ge=1, description="bound when the engine does not report its KV size"

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 if TYPE_CHECKING:
     from gateway.config.kv_events import KVEventSourceConfig
     from gateway.fleet.lora import LoraLoad
+    from gateway.fleet.worker_table import LoadCell
 
 __all__ = ["Endpoint", "EndpointMetrics", "EngineKind", "Role", "public_url"]
 
@@ -53,6 +54,7 @@ class EndpointMetrics:
     scraped_at: float = 0.0  # monotonic time of the last successful scrape
     in_flight_at_scrape: int = 0  # the gateway's own in-flight count when that scrape landed
     in_flight_tokens_at_scrape: int = 0  # … and its in-flight prompt tokens
+    pooled_at_scrape: int = 0  # of those requests, how many waited in the gateway's pool (not at the engine)
     stale: bool = True
 
     def fresh(self) -> bool:
@@ -101,6 +103,9 @@ class Endpoint:
     in_flight_tokens: int = 0
     # Estimated uncached prompt tokens sent but not yet answered with a first chunk.
     pending_prefill_tokens: float = 0.0
+    # With several workers: this worker's cells of the shared table (fleet/shared_load.py), where
+    # the hooks write their changes too; the three fields above are then the whole gateway's.
+    shared_load: LoadCell | None = None
     created_at: float = field(default_factory=time.monotonic)
     # Short label for metrics, headers and index keys: host:port[/prefix] (computed once; hot
     # path), never with user info in it.

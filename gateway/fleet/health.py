@@ -18,6 +18,7 @@ import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.interval import Interval
 from gateway.fleet.lora import adapter_parents
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.metrics import GatewayMetrics
@@ -37,6 +38,10 @@ class HealthTracker:
         self._config = config
         self._metrics = metrics
         self.on_change: Callable[[Endpoint, bool], None] | None = None
+
+    def reconfigure(self, config: HealthConfig) -> None:
+        """A reloaded ``health`` section: the thresholds apply from the next probe result."""
+        self._config = config
 
     def record(self, endpoint: Endpoint, ok: bool) -> bool:
         """Apply thresholds; return True when the endpoint's health flipped."""
@@ -94,17 +99,23 @@ class HealthChecker:
         self._session = session
         self._config = config
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._interval = Interval(config.interval_s)
         self._listed_at: dict[str, float] = {}  # endpoint URL -> when its /v1/models was last read
 
-    async def run(self) -> None:
-        while True:
+    def reconfigure(self, config: HealthConfig) -> None:
+        """A reloaded ``health`` section: path and timeout from the next probe, the interval now."""
+        self._config = config
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._interval.set(config.interval_s)
+
+    async def run(self, *, pause_first: bool = False) -> None:
+        async for _ in self._interval.rounds(pause_first=pause_first):
             try:
                 await self.check_all()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug in one round must not end health checking for good
                 log.exception("health checks: round failed; next round in %.1fs", self._config.interval_s)
-            await asyncio.sleep(self._config.interval_s)
 
     async def check_all(self) -> None:
         endpoints = list(self._registry)

@@ -98,6 +98,7 @@ class EndpointRegistry:
         self._endpoints: dict[str, Endpoint] = {}
         self._by_model: dict[str, list[Endpoint]] = {}
         self._known_models: frozenset[str] = frozenset()
+        self.version = 0  # bumped by every rebuild: who caches per-endpoint state sees a change
         for endpoint in endpoints:
             self.add(endpoint, rebuild=False)
         self.rebuild()
@@ -140,6 +141,7 @@ class EndpointRegistry:
 
     def rebuild(self) -> None:
         """Recompute the model index; call after any health or model-list change."""
+        self.version += 1
         by_model: dict[str, list[Endpoint]] = {}
         known: set[str] = set()
         for endpoint in self._endpoints.values():

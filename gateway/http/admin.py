@@ -127,20 +127,26 @@ def _admin(handler):
     async def guarded(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         require_admin_key(state, request)
-        if request.method != "GET" and state.config.server.workers > 1:
-            # Each worker process has its own fleet view; a change would reach one of them.
+        change = request.method != "GET"
+        if change and state.config.server.workers > 1 and state.admin_share is None:
+            # Several workers but no way to reach the siblings: a change would reach one of them.
             raise Conflict(
-                "admin changes need server.workers: 1; with several workers edit the config file"
-                " (reloaded on SIGHUP in every worker) or use discovery",
+                "admin changes need server.workers: 1, or workers started by `llm-gateway serve`;"
+                " else edit the config file (reloaded on SIGHUP in every worker) or use discovery",
                 code="not_supported_with_workers",
             )
-        return await handler(state, request)
+        response = await handler(state, request)
+        if change and state.admin_share is not None:
+            state.admin_share.publish()  # the sibling workers apply the same admin state
+        return response
 
     return guarded
 
 
 @_admin
 async def list_endpoints(state: GatewayState, request: web.Request) -> web.Response:
+    if state.shared_load is not None:  # workers > 1: the whole gateway's in-flight numbers
+        state.shared_load.refresh(force=True)
     now = time.monotonic()
     return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 

@@ -36,6 +36,7 @@ from gateway.http.plugins import default_registry
 from gateway.http.routing import build_routing
 from gateway.http.slo import PrefixTtftPredictor
 from gateway.http.state import STATE, GatewayState
+from gateway.http.workers import WorkerSlot, attach_worker
 from gateway.ops.metrics import GatewayMetrics
 from gateway.ops.route_metrics import RouteMetrics
 from gateway.ops.tasks import supervise
@@ -198,8 +199,13 @@ def parse_options(config: GatewayConfig) -> ParseOptions:
     )
 
 
-def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = None) -> web.Application:
-    """Validate and wire everything; raises ConfigError before any socket is opened."""
+def build_app(
+    config: GatewayConfig, plugin_registry: PluginRegistry | None = None, worker: WorkerSlot | None = None
+) -> web.Application:
+    """Validate and wire everything; raises ConfigError before any socket is opened.
+
+    ``worker``: this process is one of several workers (``serve``), sharing their fleet view.
+    """
     metrics = GatewayMetrics()
     registry = EndpointRegistry(endpoint_from_config(e) for e in config.endpoints)
     membership = FleetMembership(registry)
@@ -257,6 +263,8 @@ def build_app(config: GatewayConfig, plugin_registry: PluginRegistry | None = No
     app.cleanup_ctx.append(_prefix_index)
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_endpoint_monitors)
+    if worker is not None:
+        attach_worker(app, state, worker)
     return app
 
 
@@ -314,6 +322,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     app[_HEALTH] = health
     app[_FORGET] = forget
     state.probe = health.check
+    state.health_checker = health
     state.membership.on_removed = on_removed
     state.membership.on_added = on_added
     client = UpstreamClient(
@@ -347,19 +356,29 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
         on_restart=app[_FORGET],
         on_scraped=_on_scraped(state),
     )
-    # One synchronous round first, so a freshly started gateway is ready at once.
+    if state.config.scrape.enabled:
+        state.poller = poller
+        state.plugin_context.saturation.request_scrape = poller.scrape_soon
+        state.plugin_context.saturation.scraping_soon = poller.scraping_soon
+    # One synchronous round first, so a freshly started gateway is ready at once. Where it
+    # learned everything (every replica up, every scrape answered) the loops start with their
+    # pause: a second round at once would scrape the first requests' burst in mid-flight and
+    # tell the burst detector the engines had already seen it. Otherwise they retry at once.
+    probed = scraped = False
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(state.config.health.timeout_s + state.config.scrape.timeout_s + 1):
             await health.check_all()
+            probed = all(e.healthy for e in state.registry)
             if state.config.scrape.enabled:
                 await poller.scrape_all()
+                scraped = all(e.metrics.scraped_at > 0 for e in state.registry)
     runs: dict[str, Callable[[], Awaitable[None]]] = {
-        "health-checks": health.run,
+        "health-checks": functools.partial(health.run, pause_first=probed),
         "admission-ticker": lambda: _admission_ticker(state),
         "circuit-breakers": state.breakers.run,
     }
     if state.config.scrape.enabled:
-        runs["metrics-poller"] = poller.run
+        runs["metrics-poller"] = functools.partial(poller.run, pause_first=scraped)
     kv_events = kv_event_subscriber(
         state.config, state.registry, state.prefix, app[_SESSION], state.metrics.task_restarts.labels
     )
@@ -374,6 +393,9 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
         for name, run in runs.items()
     ]
     yield
+    state.plugin_context.saturation.request_scrape = lambda endpoint: None
+    state.plugin_context.saturation.scraping_soon = lambda endpoints: []
+    poller.close()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -31,7 +31,11 @@ def attach_exact_prefix(config: GatewayConfig, metrics: GatewayMetrics, prefix: 
     tokenizer = settings.tokenizer
     local = LocalTokens(tokenizer, kv_metrics) if tokenizer.source != "engine" else None
     prefix.exact = ExactPrefix(
-        ExactIndex(kv_metrics, settings.max_blocks_per_endpoint),
+        ExactIndex(
+            kv_metrics,
+            settings.max_blocks_per_endpoint,
+            pending_grace_s=settings.pending_grace_s if settings.pending_blocks else None,
+        ),
         EngineTokens(
             kv_metrics,
             timeout_s=settings.tokenize_timeout_s,

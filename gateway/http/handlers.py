@@ -18,6 +18,7 @@ from gateway.http.responses import add_response_routes, stored_replica
 from gateway.http.state import STATE, GatewayState
 from gateway.request.multipart import parse_form
 from gateway.request.parse import parse_request
+from gateway.request.slo import parse_slo
 from gateway.request.types import FORM_APIS, ApiKind, InferenceRequest, RouteTrace
 
 __all__ = ["add_routes"]
@@ -38,6 +39,7 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
         if api in _MODEL_OPTIONAL and len(models := state.registry.healthy_models()) == 1:
             default_model = models[0]
         raw = await http_request.read()
+        arrived = time.monotonic()  # the objectives' deadlines run from here
         form = parse_form(raw, http_request.headers.get("content-type", "")) if api in FORM_APIS else None
         request = parse_request(
             api,
@@ -54,6 +56,11 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
         charged = 0
         if tenant is not None:
             auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
+            # The tenant may bring objectives of its own, and its priority picks the class defaults.
+            slo_options = state.parse_options.slo
+            request.slo = parse_slo(
+                http_request.headers, request.priority, slo_options, arrived, tenant.slo_objectives
+            )
             decision, charged = await auth.limit(tenant, request)
             limit_headers = decision.headers()
         aliases = state.aliases
@@ -86,8 +93,13 @@ async def _route(
     _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
     if stored is None:
         stored = await stored_replica(state, request)  # Responses: the replica holding the chain
+    shared = state.shared_load  # workers > 1: the siblings' load, for admission and for routing
+    if shared is not None:
+        shared.refresh()
     ticket = await state.admission.admit(request)
     try:
+        if shared is not None:
+            shared.refresh()
         candidates = [stored] if stored is not None else _candidates(state, request.model)
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)
@@ -145,8 +157,13 @@ async def ready(http_request: web.Request) -> web.Response:
 
 
 async def metrics(http_request: web.Request) -> web.Response:
-    registry = http_request.app[STATE].metrics.registry
-    body = generate_latest(registry)
+    state = http_request.app[STATE]
+    if state.shared_load is not None:  # the whole gateway's in-flight numbers, as of now
+        state.shared_load.refresh(force=True)
+    if state.metrics_share is not None:  # workers > 1: every worker's series, labelled by worker
+        body = await state.metrics_share.exposition()
+    else:
+        body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
 
@@ -155,6 +172,8 @@ async def endpoints_status(http_request: web.Request) -> web.Response:
     state = http_request.app[STATE]
     if state.auth is not None:  # with auth on, fleet internals are for the admin key only
         require_admin_key(state, http_request)
+    if state.shared_load is not None:
+        state.shared_load.refresh(force=True)
     now = time.monotonic()
     return web.json_response({"endpoints": [endpoint_row(state, e, now) for e in state.registry]})
 

@@ -16,7 +16,7 @@ import uuid
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, error_body, error_format, error_response
+from gateway.errors import GATEWAY_CUT, GatewayError, error_body, error_format, error_response
 from gateway.http.state import STATE
 from gateway.ops.route_metrics import UNMATCHED
 from gateway.proxy.forward import STREAM_STARTED
@@ -79,7 +79,7 @@ class InFlight:
         for task, request in list(self._running.items()):
             if _CUT_REASON not in request and not task.done():
                 request[_CUT_REASON] = reason
-                task.cancel(reason)
+                task.cancel(GATEWAY_CUT)
                 cut += 1
         return cut
 

@@ -6,10 +6,11 @@ counter, and the old config stays in force. A valid one is applied in place:
 endpoints (added/removed through ``FleetMembership``; in-flight requests finish on
 the endpoints they were sent to), the routing policy (a new scheduler *and* the hook
 chain built for it, swapped together, for the next request), admission limits,
-timeouts, retries and breaker settings, model aliases and split weights.
+timeouts, retries and breaker settings, health checks and scrapes (intervals, timeouts,
+thresholds, from their next round), model aliases and split weights.
 
 Sections that own sockets or background tasks (``server``, ``prefix``, ``sessions``,
-``pd``, ``discovery``, the auth backends) need a restart; a change there is logged
+``pd``, ``discovery``, the auth backends, ``scrape.enabled``) need a restart; a change there is logged
 and the running values are kept.
 """
 
@@ -47,6 +48,9 @@ def _keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> GatewayConfig:
     auth_kept = {
         f: getattr(old.auth, f) for f in _AUTH_RESTART_ONLY if getattr(old.auth, f) != getattr(new.auth, f)
     }
+    if old.scrape.enabled != new.scrape.enabled:  # whether the poller runs at all
+        log.warning("config reload: 'scrape.enabled' changed; it takes effect after a restart")
+        kept["scrape"] = new.scrape.model_copy(update={"enabled": old.scrape.enabled})
     if auth_kept:
         log.warning(
             "config reload: auth.%s changed; it takes effect after a restart", ", auth.".join(auth_kept)
@@ -84,6 +88,11 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
             await state.probe([e for c in joining if (e := state.registry.get(c.url)) is not None])
     state.membership.apply(CONFIG_SOURCE, new.endpoints)
     state.admission.reconfigure(new.admission)
+    state.health.reconfigure(new.health)
+    if state.health_checker is not None:
+        state.health_checker.reconfigure(new.health)
+    if state.poller is not None:
+        state.poller.reconfigure(new.scrape)
     state.breakers.reconfigure(new.resilience)
     if state.proxy is not None:
         settings = proxy_settings(new)

@@ -53,14 +53,14 @@ def build_routing(
     plugins, profiles = scheduler_specs(config)
     scheduler = build_scheduler(plugins, profiles, registry, context)
     attempt: list[RequestHooks] = [
-        InFlightHook(),
+        InFlightHook(context.saturation.note_sent),
         BreakerHook(breakers),
         PassiveHealthHook(mark_failed),
         SessionHook(context.sessions),
         PDHook(context.metrics),
         ResponseHook(context.sessions.responses),
     ]
-    prefill: list[RequestHooks] = [InFlightHook()]
+    prefill: list[RequestHooks] = [InFlightHook(context.saturation.note_sent)]
     if scheduler.preparers:  # only policies that read the prefix index pay for hashing and recording
         attempt.append(PrefixHook(context.prefix, context.metrics))
         prefill.append(PrefixHook(context.prefix, context.metrics, count_overrides=False))

@@ -1,7 +1,9 @@
 """Runs the gateway: one process, or several sharing the port through SO_REUSEPORT.
 
-With several workers each process has its own endpoint view, scrapers and in-flight
-counts (and its own /metrics); the kernel spreads connections across them.
+With several workers each process has its own endpoint objects and scrapers (and its own
+/metrics); the kernel spreads connections across them. Their load on each endpoint is
+shared through a table the parent creates before spawning them (``gateway.http.workers``),
+and the parent clears a dead worker's part of it.
 
 Signals: SIGTERM/SIGINT start a graceful shutdown — ``/ready`` turns 503 at once,
 the listener stays open for ``server.drain_s`` so load balancers notice, then it
@@ -24,19 +26,24 @@ import logging
 import multiprocessing
 import os
 import secrets
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from gateway.config import ConfigError, GatewayConfig, ServerConfig
+from gateway.fleet.worker_table import WorkerTable, create_table
 from gateway.http.app import build_app
 from gateway.http.connections import ClientGuard, GuardedRunner, connection_cap
 from gateway.http.middleware import IN_FLIGHT, InFlight, remember_response
 from gateway.http.reload import ConfigReloader
 from gateway.http.state import STATE, GatewayState
+from gateway.http.workers import WorkerSlot
 
 __all__ = [
     "ReloadSource",
@@ -109,8 +116,10 @@ async def start_site(
     return runner
 
 
-async def _serve_one(config: GatewayConfig, reuse_port: bool, reload: ReloadSource | None) -> None:
-    app = build_app(config)
+async def _serve_one(
+    config: GatewayConfig, reuse_port: bool, reload: ReloadSource | None, worker: WorkerSlot | None = None
+) -> None:
+    app = build_app(config, worker=worker)
     server = config.server
     runner = await start_site(
         app,
@@ -198,11 +207,13 @@ async def _watch_keys(state: GatewayState, interval_s: float = 2.0) -> None:
         state.auth.reload_keys_if_changed()
 
 
-def _worker_main(config: GatewayConfig, log_level: str, reload: ReloadSource | None) -> None:
+def _worker_main(
+    config: GatewayConfig, log_level: str, reload: ReloadSource | None, worker: WorkerSlot
+) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve_one(config, reuse_port=True, reload=reload))
+        asyncio.run(_serve_one(config, reuse_port=True, reload=reload, worker=worker))
 
 
 def shared_worker_config(
@@ -233,12 +244,30 @@ def serve(config: GatewayConfig, reload: ReloadSource | None = None) -> None:
         asyncio.run(_serve_one(config, reuse_port=False, reload=reload))
         return
     config, reload = shared_worker_config(config, reload)
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # memory-backed where there is one
+    directory = tempfile.mkdtemp(prefix="llm-gateway-", dir=shm)
+    try:
+        spec = create_table(directory, config.server.worker_table_rows, config.server.workers)
+        _supervise(config, reload, [WorkerSlot(i, directory, spec) for i in range(config.server.workers)])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[WorkerSlot]) -> None:
+    """Start the workers, forward signals to them, and clear the shared cells of each that exits.
+
+    A worker that dies (killed, crashed) leaves the others serving; its in-flight counts and
+    its half-open probes are taken out of the table at once, so no endpoint stays loaded by
+    requests nobody is running any more.
+    """
     context = multiprocessing.get_context("spawn")
     workers = [
         context.Process(
-            target=_worker_main, args=(config, config.log_level, reload), name=f"gateway-worker-{i}"
+            target=_worker_main,
+            args=(config, config.log_level, reload, slot),
+            name=f"gateway-worker-{slot.index}",
         )
-        for i in range(config.server.workers)
+        for slot in slots
     ]
     for worker in workers:
         worker.start()
@@ -250,5 +279,20 @@ def serve(config: GatewayConfig, reload: ReloadSource | None = None) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    for worker in workers:
-        worker.join()
+    table = WorkerTable(slots[0].table, None)
+    try:
+        running = {worker.sentinel: (slot, worker) for slot, worker in zip(slots, workers, strict=True)}
+        while running:
+            for sentinel in wait(list(running)):
+                slot, worker = running.pop(sentinel)
+                worker.join()
+                table.clear_worker(slot.index)
+                if running:
+                    log.warning(
+                        "worker %d (pid %s) exited with %s; its shared load counts were cleared",
+                        slot.index,
+                        worker.pid,
+                        worker.exitcode,
+                    )
+    finally:
+        table.close()

@@ -170,6 +170,12 @@ class GatewayMetrics:
         self.scrape_errors = Counter(
             "llm_gateway_scrape_errors", "Failed metric scrapes", ["endpoint"], registry=r
         )
+        self.burst_scrapes = Counter(
+            "llm_gateway_burst_scrapes",
+            "Scrapes admission asked for at once: in-flight grew fast on a replica of unknown capacity",
+            ["endpoint"],
+            registry=r,
+        )
         self.retries = Counter(
             "llm_gateway_retries",
             "Requests re-sent to another endpoint before the first byte",
@@ -380,6 +386,7 @@ class GatewayMetrics:
             (self.endpoint_metrics_stale, ("endpoint",)),
             (self.endpoint_saturated, ("endpoint",)),
             (self.scrape_errors, ("endpoint",)),
+            (self.burst_scrapes, ("endpoint",)),
             (self.upstream_errors, ("endpoint", "kind")),
             (self.prefix_mispredictions, ("endpoint",)),
             (self.ejections, ("endpoint", "reason")),

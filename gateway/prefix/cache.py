@@ -55,6 +55,12 @@ class PrefixState:
     engine_tokens: list[int] | None = None
     engine_token_count: int = 0  # the prompt's engine tokens (more than engine_tokens: a prefix)
     exact: dict[Endpoint, int] | None = None
+    # Pending blocks (prefix.kv_events.pending_blocks): cached tokens for routing where blocks
+    # sent and not reported yet add to ``exact``; per candidate (blocks held, the prompt's
+    # block keys) until sent; per endpoint sent to, the keys it made pending there.
+    exact_routing: dict[Endpoint, int] | None = None
+    exact_keys: dict[Endpoint, tuple[int, list[int]]] | None = None
+    exact_sent: dict[Endpoint, list[int]] | None = None
 
 
 class PrefixCache:
@@ -120,18 +126,34 @@ class PrefixCache:
         return state.match if state is not None else None
 
     def uncached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> float:
-        """Estimated prompt tokens ``endpoint`` would have to prefill for ``request``."""
+        """Estimated prompt tokens ``endpoint`` would have to prefill for ``request`` (exact:
+        the blocks its engine reported, and those pending there with pending blocks on)."""
         state = request.context.prefix
         if state is not None and state.exact is not None and endpoint in state.exact:
             total = state.engine_token_count or len(state.engine_tokens or ())
-            return float(max(0, total - state.exact[endpoint]))
+            return float(max(0, total - self._routing_cached(state, endpoint)))
         match = self.current_match(request)
         matched = match.matched.get(endpoint, 0) if match else 0
         cached_tokens = matched * self.block_bytes / CHARS_PER_TOKEN
         return max(0.0, request.est_prompt_tokens - cached_tokens)
 
+    @staticmethod
+    def _routing_cached(state: PrefixState, endpoint: Endpoint) -> int:
+        routing = state.exact_routing
+        if routing is not None and endpoint in routing:
+            return routing[endpoint]
+        return state.exact[endpoint]  # type: ignore[index]
+
+    def routing_cached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> int:
+        """Cached prompt tokens for routing: :meth:`predicted_cached_tokens` plus pending blocks."""
+        state = request.context.prefix
+        if state is not None and state.exact is not None and endpoint in state.exact:
+            return self._routing_cached(state, endpoint)
+        return self.predicted_cached_tokens(request, endpoint)[0]
+
     def predicted_cached_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> tuple[int, str]:
-        """Prompt tokens ``endpoint`` should report cached, and which index says so."""
+        """Prompt tokens ``endpoint`` should report cached, and which index says so (never
+        pending blocks: the prediction and its error stay what the engines reported)."""
         state = request.context.prefix
         if state is not None and state.exact is not None and endpoint in state.exact:
             return state.exact[endpoint], "exact"
@@ -143,6 +165,15 @@ class PrefixCache:
         hashes = self.hashes(request)
         if hashes:
             self.index.record(hashes, endpoint.name, request.model)
+        state = request.context.prefix
+        if self.exact is not None and state is not None and state.exact_keys:
+            self.exact.sent(state, endpoint)
+
+    def released(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        """The request's first byte or end on ``endpoint`` (its pending blocks' grace starts)."""
+        state = request.context.prefix
+        if self.exact is not None and state is not None and state.exact_sent:
+            self.exact.released(state, endpoint)
 
     def observe_usage(
         self, request: InferenceRequest, endpoint: Endpoint, prompt_tokens: int, cached_tokens: int

@@ -14,7 +14,10 @@ gets them mixed into its key, so a text-only request never matches it. Only GPU 
 (``medium`` None or ``GPU``) of KV-cache group 0 count: that is what a request hits.
 Memory is bounded per endpoint (its engine's block count plus slack, or a configured
 default): past the bound the oldest-stored blocks go, which happens only when removals
-were missed. This class is the :class:`~gateway.fleet.kv_wire.KVEventSink` of the
+were missed. With ``pending_grace_s`` set, blocks of requests sent to an endpoint and not
+reported yet count for routing (:class:`~gateway.prefix.pending_blocks.PendingBlocks`,
+:meth:`ExactIndex.routing_blocks`); ``matched_blocks`` stays what the engine reported.
+This class is the :class:`~gateway.fleet.kv_wire.KVEventSink` of the
 subscribers; it runs on the event loop, and each call is O(blocks in the batch).
 """
 
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import msgspec
@@ -30,6 +34,7 @@ import xxhash
 
 from gateway.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.prefix.pending_blocks import PendingBlocks
 
 __all__ = ["ExactIndex", "block_keys"]
 
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 _ROOT = xxhash.xxh3_64_intdigest(b"llm-gateway exact prefix root")
 _GPU = (None, "GPU", "gpu")
 _SLACK = 1.1
+_PENDING_MAX = 65_536  # pending keys per endpoint at most (and never more than its capacity)
+_PENDING_IN_FLIGHT_S = 60.0  # a request that never answers stops counting then
 
 
 def _root(lora_name: str | None) -> int:
@@ -66,7 +73,7 @@ def block_keys(tokens: Sequence[int], block_size: int, lora_name: str | None = N
 
 
 class _Blocks:
-    __slots__ = ("block_size", "by_engine", "capacity", "keys", "live", "loras")
+    __slots__ = ("block_size", "by_engine", "capacity", "keys", "live", "loras", "pending")
 
     def __init__(self, capacity: int) -> None:
         self.keys: dict[int, int] = {}  # gateway key → how many engine blocks have it
@@ -75,6 +82,7 @@ class _Blocks:
         self.loras: set[str] = set()
         self.capacity = capacity
         self.live = False
+        self.pending: PendingBlocks | None = None  # sent, not reported yet (pending_grace_s set)
 
     def drop(self, engine_hash: Hashable) -> None:
         key = self.by_engine.pop(engine_hash, None)
@@ -88,13 +96,24 @@ class _Blocks:
     def clear(self) -> None:
         self.keys.clear()
         self.by_engine.clear()
+        if self.pending is not None:
+            self.pending.clear()
 
 
 class ExactIndex:
-    def __init__(self, metrics: KVEventMetrics, default_capacity: int = 1_048_576) -> None:
+    def __init__(
+        self,
+        metrics: KVEventMetrics,
+        default_capacity: int = 1_048_576,
+        *,
+        pending_grace_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
         self._default_capacity = default_capacity
         self._endpoints: dict[str, _Blocks] = {}
+        self.pending_grace_s = pending_grace_s  # None: no pending blocks
+        self._clock = clock
 
     def _blocks(self, endpoint: str) -> _Blocks:
         blocks = self._endpoints.get(endpoint)
@@ -135,6 +154,7 @@ class ExactIndex:
             if known is None:
                 return  # its parent is gone (or was never seen): nothing below it can be hit
             parent = known
+        pending = blocks.pending
         try:
             pack = struct.Struct(f"<{size}I").pack
             for i, engine_hash in enumerate(event.block_hashes):
@@ -146,6 +166,8 @@ class ExactIndex:
                     blocks.drop(engine_hash)
                 blocks.by_engine[engine_hash] = parent
                 blocks.keys[parent] = blocks.keys.get(parent, 0) + 1
+                if pending is not None:
+                    pending.confirm(parent)
         except (struct.error, TypeError, ValueError):
             self._metrics.decode_errors.labels(endpoint).inc()
             return
@@ -202,10 +224,56 @@ class ExactIndex:
             count += 1
         return count
 
+    def routing_blocks(self, endpoint: str, keys: Sequence[int], held: int) -> int:
+        """Leading blocks of ``keys`` the endpoint holds or has pending (``held``: those it holds)."""
+        blocks = self._endpoints.get(endpoint)
+        pending = blocks.pending if blocks is not None else None
+        if pending is None or not len(pending):
+            return held
+        now = self._clock()
+        have = blocks.keys  # type: ignore[union-attr]
+        count = held
+        for key in keys[held:]:
+            if key not in have and not pending.live(key, now):
+                break
+            count += 1
+        return count
+
+    def add_pending(self, endpoint: str, keys: Sequence[int]) -> None:
+        """A request with these blocks (those after the ones held) was sent to ``endpoint``."""
+        if self.pending_grace_s is None or not keys:
+            return
+        blocks = self._blocks(endpoint)
+        if blocks.pending is None:
+            limit = min(_PENDING_MAX, blocks.capacity)
+            blocks.pending = PendingBlocks(limit, self.pending_grace_s, _PENDING_IN_FLIGHT_S)
+        blocks.pending.add(keys, self._clock())
+
+    def release_pending(self, endpoint: str, keys: Sequence[int]) -> None:
+        """The request that added ``keys`` answered or ended: they count ``pending_grace_s`` more."""
+        blocks = self._endpoints.get(endpoint)
+        if blocks is not None and blocks.pending is not None:
+            blocks.pending.release(keys, self._clock())
+
+    def drop_pending(self, endpoint: str) -> None:
+        blocks = self._endpoints.get(endpoint)
+        if blocks is not None and blocks.pending is not None:
+            blocks.pending.clear()
+
+    def pending_size(self, endpoint: str) -> int:
+        """Pending keys of ``endpoint`` not expired (sweeps them: O(pending))."""
+        blocks = self._endpoints.get(endpoint)
+        if blocks is None or blocks.pending is None:
+            return 0
+        return blocks.pending.count_live(self._clock())
+
     def size(self, endpoint: str) -> int:
         blocks = self._endpoints.get(endpoint)
         return len(blocks.by_engine) if blocks else 0
 
     def set_capacity(self, endpoint: str, engine_blocks: int) -> None:
         """The engine's KV size in blocks bounds what it can report holding (plus slack)."""
-        self._blocks(endpoint).capacity = max(1, int(engine_blocks * _SLACK))
+        blocks = self._blocks(endpoint)
+        blocks.capacity = max(1, int(engine_blocks * _SLACK))
+        if blocks.pending is not None:
+            blocks.pending.limit = min(_PENDING_MAX, blocks.capacity)

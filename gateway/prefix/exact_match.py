@@ -9,6 +9,12 @@ held blocks, at most ``(prompt tokens − 1) // block size`` blocks, since the e
 computes the last prompt token — in the request's :class:`PrefixState`. Candidates
 without live exact state are answered by the approximate index: a per-endpoint fallback,
 counted (``llm_gateway_prefix_exact_fallbacks``) for endpoints that have a stream.
+
+With pending blocks on (``prefix.kv_events.pending_blocks``), :meth:`sent` marks the blocks a
+request sent to an endpoint does not find there as pending on it, and :meth:`released` (its
+first byte or its end) starts their grace; ``prepare`` also stores, in ``state.exact_routing``,
+the blocks held *or pending* where that is more than those held: what the scorers see
+(``PrefixCache.uncached_tokens``), while the prediction (``state.exact``) stays engine-exact.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ExactPrefix:
         self, request: InferenceRequest, state: PrefixState, candidates: Sequence[Endpoint]
     ) -> None:
         index = self.index
+        pending = index.pending_grace_s is not None
         exact = state.exact if state.exact is not None else {}
         todo = []
         for endpoint in candidates:
@@ -74,8 +81,36 @@ class ExactPrefix:
                     chain = block_keys(tokens, size, lora)
                 keys[(size, lora)] = chain
             held = index.matched_blocks(endpoint.name, chain)
-            exact[endpoint] = min(held, (count - 1) // size) * size
+            limit = (count - 1) // size
+            exact[endpoint] = min(held, limit) * size
+            if pending:
+                routing = min(index.routing_blocks(endpoint.name, chain, held), limit) * size
+                if routing > exact[endpoint]:
+                    if state.exact_routing is None:
+                        state.exact_routing = {}
+                    state.exact_routing[endpoint] = routing
+                if state.exact_keys is None:
+                    state.exact_keys = {}
+                state.exact_keys[endpoint] = (held, chain)
         state.exact = exact
+
+    def sent(self, state: PrefixState, endpoint: Endpoint) -> None:
+        """The request went to ``endpoint``: its blocks not held there are pending there."""
+        keys = state.exact_keys.pop(endpoint, None) if state.exact_keys else None
+        if keys is None:
+            return
+        held, chain = keys
+        if held < len(chain):
+            self.index.add_pending(endpoint.name, chain[held:])
+            if state.exact_sent is None:
+                state.exact_sent = {}
+            state.exact_sent[endpoint] = chain[held:]
+
+    def released(self, state: PrefixState, endpoint: Endpoint) -> None:
+        """Its first byte (or its end): the pending blocks it added count ``pending_grace_s`` more."""
+        keys = state.exact_sent.pop(endpoint, None) if state.exact_sent else None
+        if keys is not None:
+            self.index.release_pending(endpoint.name, keys)
 
     def _block_size(self, endpoint: Endpoint) -> int:
         """From its events, else from its metrics (vllm:cache_config_info); 0: unknown yet."""
@@ -93,3 +128,4 @@ class ExactPrefix:
         connection, and every reconnection starts the state over), so only a dead one's goes."""
         if not self.index.live(endpoint.name):
             self.index.clear(endpoint.name, "forget")
+        self.index.drop_pending(endpoint.name)  # nothing in flight there will be stored

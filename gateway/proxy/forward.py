@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
-from gateway.errors import EndpointUnavailable, UpstreamError, UpstreamTimeout
+from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, UpstreamTimeout
 from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
@@ -225,7 +225,11 @@ class Proxy:
         except UpstreamError:
             verdict = "upstream_error"
             raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError as exc:
+            if GATEWAY_CUT not in exc.args:  # not the gateway's own cut (shutdown): the client left
+                self._metrics.client_disconnects.inc()  # finally frees the replica
+            raise
+        except ConnectionResetError:
             self._metrics.client_disconnects.inc()  # the client went away; finally frees the replica
             raise
         finally:

@@ -118,12 +118,22 @@ class HookSet:
 class InFlightHook(RequestHooks):
     """Counts requests and prompt tokens in flight per endpoint, updated instantly.
 
-    Prometheus reads these fields at scrape time (``GatewayMetrics.watch_endpoints``).
+    Prometheus reads these fields at scrape time (``GatewayMetrics.watch_endpoints``). With
+    several workers the change also goes to this worker's shared cells (``shared_load``),
+    which its siblings sum into their own fields (``gateway.fleet.shared_load``).
+    ``on_sent`` sees each new count (the saturation detector: a burst from idle triggers a scrape).
     """
+
+    def __init__(self, on_sent: Callable[[Endpoint], None] | None = None) -> None:
+        self._on_sent = on_sent
 
     def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         endpoint.in_flight += 1
         endpoint.in_flight_tokens += request.est_prompt_tokens
+        if endpoint.shared_load is not None:
+            endpoint.shared_load.add(1, request.est_prompt_tokens)
+        if self._on_sent is not None:
+            self._on_sent(endpoint)
         if request.model in endpoint.adapters:  # LoRA: what lora-affinity knows before a scrape
             counts = endpoint.adapters_in_flight
             counts[request.model] = counts.get(request.model, 0) + 1
@@ -131,6 +141,8 @@ class InFlightHook(RequestHooks):
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, outcome: Outcome) -> None:
         endpoint.in_flight -= 1
         endpoint.in_flight_tokens -= request.est_prompt_tokens
+        if endpoint.shared_load is not None:
+            endpoint.shared_load.add(-1, -request.est_prompt_tokens)
         counts = endpoint.adapters_in_flight
         if request.model in counts:
             if counts[request.model] > 1:
@@ -161,6 +173,8 @@ class PrefixHook(RequestHooks):
         pending = self._prefix.uncached_tokens(request, endpoint)
         state.pending[endpoint] = pending
         endpoint.pending_prefill_tokens += pending
+        if endpoint.shared_load is not None:
+            endpoint.shared_load.add_pending(pending)
         self._prefix.record(request, endpoint)
 
     def on_headers(self, request: InferenceRequest, endpoint: Endpoint, headers: dict[str, str]) -> None:
@@ -177,12 +191,14 @@ class PrefixHook(RequestHooks):
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, outcome: Outcome) -> None:
         self._release(request, endpoint)
 
-    @staticmethod
-    def _release(request: InferenceRequest, endpoint: Endpoint) -> None:
+    def _release(self, request: InferenceRequest, endpoint: Endpoint) -> None:
+        self._prefix.released(request, endpoint)
         state = request.context.prefix
         pending = state.pending.pop(endpoint, None) if state is not None else None
         if pending is not None:
             endpoint.pending_prefill_tokens = max(0.0, endpoint.pending_prefill_tokens - pending)
+            if endpoint.shared_load is not None:
+                endpoint.shared_load.add_pending(-pending)
 
 
 class SessionHook(RequestHooks):

@@ -20,6 +20,10 @@ metrics nothing is judged a stall — a long prefill looks the same — and heal
 decide. Ejecting an endpoint cuts those waits short, so the proxy re-sends them
 elsewhere before any byte reached the client.
 
+With several workers the states are shared (:mod:`gateway.proxy.shared_breakers`): an
+ejection by one worker is adopted by all at their next review, and one worker sends the
+half-open probe for all.
+
 ``max_ejected_fraction`` keeps a fleet-wide problem (every replica overloaded) from
 ejecting everything: failures are then passed through rather than turned into 503s.
 """
@@ -40,6 +44,7 @@ from gateway.config import ResilienceConfig
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.shared_breakers import SharedBreakerStates
 
 __all__ = ["BreakerState", "CircuitBreakers", "FirstByteWait", "RetryBudget", "SlidingCounter"]
 
@@ -151,6 +156,7 @@ class CircuitBreakers:
         self._metrics = metrics
         self._on_eject = on_eject
         self._breakers: dict[str, _Breaker] = {}
+        self.shared: SharedBreakerStates | None = None  # workers > 1: states shared (http/workers.py)
 
     def reconfigure(self, config: ResilienceConfig) -> None:
         self._config = config
@@ -210,6 +216,8 @@ class CircuitBreakers:
             breaker.probing = False
             endpoint.ejected = False
             self._registry.rebuild()
+            if self.shared is not None:
+                self.shared.publish(endpoint, 0.0, breaker.ejections_in_row)
 
     def on_failure(self, endpoint: Endpoint, reason: str) -> None:
         endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
@@ -285,6 +293,8 @@ class CircuitBreakers:
         self._registry.rebuild()
         self._metrics.ejections.labels(endpoint.name, reason).inc()
         log.warning("endpoint %s ejected for %.1f s (%s)", endpoint.name, duration, reason)
+        if self.shared is not None:
+            self.shared.publish(endpoint, breaker.open_until, breaker.ejections_in_row)
         aborted = self.abort_waits(endpoint, "ejected")
         if aborted:
             log.info("endpoint %s: %d requests waiting for a first byte re-sent", endpoint.name, aborted)
@@ -305,12 +315,14 @@ class CircuitBreakers:
     def review(self, now: float | None = None) -> None:
         """Periodic: open breakers whose time is up go half-open; stalled endpoints are ejected."""
         now = time.monotonic() if now is None else now
-        changed = False
+        changed = self._adopt_shared(now) if self.shared is not None else False
         for endpoint in self._registry:
             breaker = self._breakers.get(endpoint.url)
             if breaker is None:
                 continue
             if breaker.state is BreakerState.OPEN and now >= breaker.open_until:
+                if self.shared is not None and not self.shared.claim_probe(endpoint):
+                    continue  # a sibling worker sends the probe; its verdict is adopted
                 breaker.state = BreakerState.HALF_OPEN
                 breaker.probing = False
                 endpoint.ejected = False
@@ -329,6 +341,37 @@ class CircuitBreakers:
                     self._eject(endpoint, breaker, "stalled")
         if changed:
             self._registry.rebuild()
+
+    def _adopt_shared(self, now: float) -> bool:
+        """A sibling worker ejected an endpoint, or its probe closed the breaker: do the same here."""
+        assert self.shared is not None
+        changed = False
+        for endpoint in self._registry:
+            cell = self.shared.changed(endpoint)
+            if cell is None:
+                continue
+            breaker = self._get(endpoint)
+            if cell.open_until > now and breaker.open_until != cell.open_until:
+                breaker.state = BreakerState.OPEN
+                breaker.open_until = cell.open_until
+                breaker.ejections_in_row = cell.ejections_in_row
+                breaker.last_ejected = now
+                breaker.probing = False
+                breaker.consecutive_failures = 0
+                endpoint.ejected = changed = True
+                log.warning(
+                    "endpoint %s ejected by a sibling worker for %.1f s", endpoint.name, cell.open_until - now
+                )
+                self.abort_waits(endpoint, "ejected")
+            elif cell.open_until == 0.0 and breaker.state is not BreakerState.CLOSED:
+                breaker.state = BreakerState.CLOSED
+                breaker.probing = False
+                endpoint.ejected = False
+                changed = True
+                log.warning(
+                    "endpoint %s: a sibling worker's probe succeeded, back in rotation", endpoint.name
+                )
+        return changed
 
     def _stalled(self, endpoint: Endpoint, breaker: _Breaker, now: float) -> bool:
         stuck = [w for w in breaker.waits if now - w.started > self._config.stall_s and w.aborted is None]

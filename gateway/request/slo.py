@@ -1,9 +1,14 @@
-"""Latency objectives per request: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, else the class defaults.
+"""Latency objectives per request: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, else the defaults.
 
 A header value is a positive number of milliseconds (at most one hour); anything else
 is a 400 naming the header, like a bad ``x-priority``. A request with neither header
-gets its priority's defaults (``admission.slo.defaults``), and one with no objective
-at all gets ``None``: it is routed and admitted exactly as before SLOs existed.
+gets its tenant's objectives (``slo_ttft_ms`` / ``slo_tpot_ms`` in the keys file), else
+its priority's defaults (``admission.slo.defaults``), and one with no objective at all
+gets ``None``: it is routed and admitted exactly as before SLOs existed.
+
+With auth on, the objectives are settled again once the tenant is known
+(:func:`parse_slo` with ``tenant_objectives``): the tenant may bring its own, and its
+priority — which may differ from the header's — picks the class defaults.
 """
 
 from __future__ import annotations
@@ -47,13 +52,19 @@ def _milliseconds(headers: Mapping[str, str], name: str) -> float | None:
 
 
 def parse_slo(
-    headers: Mapping[str, str], priority: Priority, options: SloOptions, now: float | None = None
+    headers: Mapping[str, str],
+    priority: Priority,
+    options: SloOptions,
+    now: float | None = None,
+    tenant_objectives: tuple[float | None, float | None] = (None, None),
 ) -> Slo | None:
+    """Headers first, then the tenant's objectives, then the class defaults (each as a pair)."""
     ttft = _milliseconds(headers, options.ttft_header)
     tpot = _milliseconds(headers, options.tpot_header)
-    default_ttft, default_tpot = options.defaults.get(priority, (None, None))
     if ttft is None and tpot is None:
-        ttft, tpot = default_ttft, default_tpot
+        ttft, tpot = tenant_objectives
+    if ttft is None and tpot is None:
+        ttft, tpot = options.defaults.get(priority, (None, None))
     if ttft is None and tpot is None:
         return None
     if now is None:

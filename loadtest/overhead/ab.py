@@ -53,15 +53,17 @@ class _Sum:
         }
 
 
-async def _start_gateway(tree: str, policy: str, upstream: str, log_dir: Path, name: str) -> ManagedProcess:
+async def _start_gateway(
+    tree: str, policy: str, upstream: str, log_dir: Path, name: str, workers: int = 1
+) -> ManagedProcess:
     src = str(Path(tree).resolve())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": src}
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--endpoint", upstream, "--port", str(port)]
-    argv += ["--workers", "1"] + (["--policy", policy] if policy != "default" else [])
+    argv += ["--workers", str(workers)] + (["--policy", policy] if policy != "default" else [])
     gateway = await spawn(slug(name), f"http://127.0.0.1:{port}", argv, log_dir, env=env, cwd=src,
                           kill_group=True)  # fmt: skip
-    await wait_ready(gateway, "/ready", streak=4, fresh_connections=True)
+    await wait_ready(gateway, "/ready", streak=4 * workers, fresh_connections=True)
     return gateway
 
 
@@ -77,7 +79,7 @@ async def _run(args: argparse.Namespace) -> int:
             try:
                 for name, tree in args.tree:
                     gateways[name] = await _start_gateway(
-                        tree, policy, upstream.url, log_dir, f"{name}-{policy}"
+                        tree, policy, upstream.url, log_dir, f"{name}-{policy}", args.workers
                     )
                     problems = await check_target(gateways[name].url)
                     if problems:
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slice-s", type=float, default=2.0)
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--workers", type=int, default=1, help="gateway --workers (every tree)")
     p.add_argument("--out", default="bench-results/overhead-ab")
     args = p.parse_args(argv)
     args.wrk = shutil.which("wrk")

@@ -31,6 +31,7 @@ from gateway.prefix.cache import PrefixCache
 from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
 from policies.params import Params
+from policies.scorers.relative_cost import relative_scores
 
 TYPE_NAME = "prefix-cost"
 
@@ -57,9 +58,7 @@ class PrefixCostScorer:
         )
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
-        costs = {e: self.cost(request, e) for e in candidates}
-        best = min(costs.values())
-        return {e: best / c for e, c in costs.items()}
+        return relative_scores({e: self.cost(request, e) for e in candidates})
 
 
 def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> PrefixCostScorer:

@@ -12,6 +12,8 @@ import random
 import pytest
 
 from gateway.admission.latency_model import (
+    _TPOT_PRIOR,
+    _TPOT_SCALE,
     _TTFT_PRIOR,
     _TTFT_SCALE,
     LatencyModel,
@@ -150,3 +152,18 @@ def test_a_class_that_waits_longer_gets_its_own_bias() -> None:
     assert model.class_bias("critical") == 1.0  # never observed: no correction
     busy = _endpoint("a", pending_prefill_tokens=2000.0)
     assert model.predict_ttft(busy, 0.0, "sheddable") > model.predict_ttft(busy, 0.0, "standard")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_tpot_fit_recovers_known_coefficients(seed: int) -> None:
+    """TPOT = 12 + 0.8·in_flight + 6·kv_usage (ms): decode slows with the batch and the cache."""
+    rng = random.Random(seed)
+    model = OnlineLinearModel(_TPOT_SCALE, horizon=500)
+    model.set_prior(_TPOT_PRIOR)
+    for _ in range(600):
+        x = (1.0, float(rng.randint(0, 32)), rng.uniform(0, 0.9))
+        model.observe(x, 12.0 + 0.8 * x[1] + 6.0 * x[2] + rng.gauss(0, 0.3), _TPOT_PRIOR)
+    intercept, per_sequence, per_kv = model.theta
+    assert per_sequence == pytest.approx(0.8, rel=0.05)
+    assert intercept == pytest.approx(12.0, abs=1.0)
+    assert per_kv == pytest.approx(6.0, abs=1.5)

@@ -69,27 +69,44 @@ async def test_config_defaults_reach_the_request(start_upstream, start_gateway, 
     assert status == 200
 
 
+async def _served_order(
+    spawn, stack, start_upstream, start_gateway, http, arrivals: list[tuple[str, dict[str, str]]]
+) -> list[str]:
+    """One slot, held by a stream: ``arrivals`` (name, headers) queue in turn; the order served."""
+    up = await start_upstream()
+    gw = await admission_gateway(start_gateway, [up.url], max_concurrency=1, queue_timeout_s=15)
+    gated(stack, up)
+    holder = spawn(_post(http, gw, body("holder", stream=True)))
+    await asyncio.wait_for(up.first_chunk_sent.wait(), 3)
+    queued = []
+    for i, (name, headers) in enumerate(arrivals):
+        queued.append(spawn(_post(http, gw, body(name), **headers)))
+        await wait_queue(http, gw, i + 1)
+    up.gate.set()
+    results = await asyncio.gather(holder, *queued)
+    assert [status for status, _ in results] == [200] * (len(arrivals) + 1)
+    return [r.json["messages"][0]["content"] for r in up.requests][1:]
+
+
 async def test_the_standard_queue_is_earliest_deadline_first(
     spawn, stack, start_upstream, start_gateway, http
 ) -> None:
     """One tenant, one slot: queued requests leave in deadline order; without an SLO a
     request's deadline is its arrival + queue_timeout_s, so it goes after tighter ones; one
     already overdue goes last (it has missed anyway: serving it first would make the rest miss)."""
-    up = await start_upstream()
-    gw = await admission_gateway(start_gateway, [up.url], max_concurrency=1, queue_timeout_s=15)
-    gated(stack, up)
-    holder = spawn(_post(http, gw, body("holder", stream=True)))
-    await asyncio.wait_for(up.first_chunk_sent.wait(), 3)
-
-    queued = []
     classes = [("overdue", "1"), ("none", None), ("loose", "9000"), ("mid", "5000"), ("tight", "1000")]
-    for i, (name, slo) in enumerate(classes):
-        headers = {"x-slo-ttft-ms": slo} if slo else {}
-        queued.append(spawn(_post(http, gw, body(name), **headers)))
-        await wait_queue(http, gw, i + 1)
-
-    up.gate.set()
-    results = await asyncio.gather(holder, *queued)
-    assert [status for status, _ in results] == [200] * 6
-    order = [r.json["messages"][0]["content"] for r in up.requests][1:]
+    arrivals = [(name, {"x-slo-ttft-ms": slo} if slo else {}) for name, slo in classes]
+    order = await _served_order(spawn, stack, start_upstream, start_gateway, http, arrivals)
     assert order == ["tight", "mid", "loose", "none", "overdue"], order
+
+
+async def test_tenants_take_turns_and_each_tenant_is_served_earliest_deadline_first(
+    spawn, stack, start_upstream, start_gateway, http
+) -> None:
+    """Deadline order is within a tenant, fairness across tenants: tenant A's tight request
+    does not jump tenant B's turn, and within each tenant the tightest goes first."""
+    requests = [("A", "A-loose", "9000"), ("A", "A-tight", "2000"), ("A", "A-mid", "5000"),
+                ("B", "B-loose", "8000"), ("B", "B-tight", "3000")]  # fmt: skip
+    arrivals = [(name, {"x-slo-ttft-ms": slo, "x-tenant-id": tenant}) for tenant, name, slo in requests]
+    order = await _served_order(spawn, stack, start_upstream, start_gateway, http, arrivals)
+    assert order == ["A-tight", "B-tight", "A-mid", "B-loose", "A-loose"], order

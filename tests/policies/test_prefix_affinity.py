@@ -141,3 +141,46 @@ def test_takes_no_parameters(params):
         prefix_affinity.create("under-test", params, services().context)
     with pytest.raises(ConfigError, match=rf"plugins\.0\.parameters\.{key}"):
         make_plugin("prefix-affinity", params)
+
+
+# normalize: min-max — llm-d's precise-prefix-cache-scorer reading of the same index.
+
+
+def min_max_scorer(svc):
+    return prefix_affinity.create("under-test", {"normalize": "min-max"}, svc.context)
+
+
+async def test_min_max_longest_match_scores_one_shortest_hit_zero_and_between_in_proportion():
+    svc = services()
+    scorer = min_max_scorer(svc)
+    a, b, c, cold = endpoint(1), endpoint(2), endpoint(3), endpoint(4)
+    svc.prefix.record(blocks_prompt(10), a)  # 9 shared blocks with the 20-block prompt
+    svc.prefix.record(blocks_prompt(6), b)  # 5
+    svc.prefix.record(blocks_prompt(2), c)  # 1
+    result = await scores(scorer, blocks_prompt(20), [a, b, c, cold])
+    assert result == {a: 1.0, b: (5 - 1) / (9 - 1), c: 0.0, cold: 0.0}
+
+
+async def test_min_max_a_partial_hit_alone_scores_one_where_ratio_scores_its_fraction():
+    svc = services()
+    a, cold = endpoint(1), endpoint(2)
+    svc.prefix.record(blocks_prompt(10), a)
+    assert await scores(min_max_scorer(svc), blocks_prompt(20), [a, cold]) == {a: 1.0, cold: 0.0}
+    assert await scores(scorer_for(svc), blocks_prompt(20), [a, cold]) == {a: 9 / 20, cold: 0.0}
+
+
+async def test_min_max_equal_hits_all_score_one_and_no_hit_scores_zero_everywhere():
+    svc = services()
+    scorer = min_max_scorer(svc)
+    a, b, cold = endpoint(1), endpoint(2), endpoint(3)
+    req = blocks_prompt(6)
+    assert await scores(scorer, req, [a, b, cold]) == {a: 0.0, b: 0.0, cold: 0.0}
+    svc.prefix.record(req, a)
+    svc.prefix.record(req, b)
+    assert await scores(scorer, blocks_prompt(6), [a, b, cold]) == {a: 1.0, b: 1.0, cold: 0.0}
+
+
+def test_normalize_must_be_a_known_mode():
+    with pytest.raises(ValueError, match=r"parameters\.normalize: 'max'"):
+        prefix_affinity.create("under-test", {"normalize": "max"}, services().context)
+    assert make_plugin("prefix-affinity", {"normalize": "min-max"})._min_max

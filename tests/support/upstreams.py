@@ -13,7 +13,8 @@ One aiohttp app, real sockets, behaviour switched by attributes the test sets:
 - ``/v1/responses`` and ``/v1/messages`` streams are typed events (:func:`typed_events`), with
   the ``open-then-die`` / ``open-then-end`` / ``open-then-gated`` modes besides.
 
-``metrics_text`` is served on ``/metrics`` (``metrics_mode`` "ok" | "error" | "hang"),
+``metrics_text`` is served on ``/metrics`` (``metrics_mode`` "ok" | "error" | "hang"; counted in
+``metrics_asked``),
 ``healthy`` drives ``/health``, and every inference request is recorded in ``requests``.
 """
 
@@ -84,6 +85,8 @@ class Upstream:
         self.models = list(models)
         self.metrics_text = vllm_metrics(model=models[0]) if metrics_text is None else metrics_text
         self.metrics_mode = "ok"
+        self.metrics_asked = 0  # /metrics requests received
+        self.health_asked = 0  # /health requests received
         self.healthy = True
         self.mode = "ok"
         self.status = 400
@@ -126,6 +129,7 @@ class Upstream:
 
     # ---- handlers ----------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_asked += 1
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -133,6 +137,7 @@ class Upstream:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_asked += 1
         if self.metrics_mode == "error":
             return web.Response(status=500, text="broken")
         if self.metrics_mode == "hang":

@@ -360,6 +360,10 @@ def inference_operation(summary: str, request: str, response: str, *, streams: b
         "headers": {
             "x-request-id": _REQUEST_ID_HEADER,
             "x-gateway-endpoint": {"description": "The replica that answered.", "schema": {"type": "string"}},
+            "x-gateway-worker": {
+                "description": "With `server.workers > 1`: the pid of the worker that served it.",
+                "schema": {"type": "string"},
+            },
             "x-gateway-model": {
                 "description": "When `model` was an alias (config `models:`): the target it was sent to.",
                 "schema": {"type": "string"},

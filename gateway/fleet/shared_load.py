@@ -1,0 +1,119 @@
+"""The whole gateway's load on each endpoint, for a worker of a multi-worker gateway.
+
+Routing reads ``Endpoint.in_flight``, ``in_flight_tokens`` and ``pending_prefill_tokens``
+(scorers, the saturation detector, the latency model). With one worker those are the
+gateway's own numbers. With several, each worker also writes its own changes to its cells
+of the shared :class:`~gateway.fleet.worker_table.WorkerTable` (``Endpoint.shared_load``,
+set here), and :meth:`SharedLoad.refresh` puts the sum of every worker's cells back into
+the fields. Between refreshes a field is the last sum plus this worker's own changes since,
+so a worker always sees its own sends at once and its siblings' within ``interval_s``.
+
+The refresh runs on the request path (before admission and before scheduling) and costs
+one ``struct`` read per endpoint, at most once per ``interval_s``; the hooks' per-request
+cost stays O(1): one more cell write per counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.worker_table import LoadCell, WorkerTable
+
+__all__ = ["SharedLoad"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class _Binding:
+    row: int
+    cell: LoadCell
+    endpoints: list[Endpoint] = field(default_factory=list)  # every object that wrote here
+
+
+class SharedLoad:
+    """Binds this worker's endpoints to table rows (by name) and sums the rows back into them."""
+
+    def __init__(
+        self,
+        table: WorkerTable,
+        registry: EndpointRegistry,
+        on_full: Callable[[str], None] | None = None,
+        interval_s: float = 0.001,
+    ) -> None:
+        self.table = table
+        self._registry = registry
+        self._on_full = on_full
+        self._interval_s = interval_s
+        self._bound: dict[str, _Binding] = {}
+        self._unshared: set[str] = set()  # names the full table had no row for (logged once)
+        self._seen_version = -1
+        self._summed_at = -1.0
+
+    def row(self, endpoint: Endpoint) -> int | None:
+        binding = self._bound.get(endpoint.name)
+        return binding.row if binding is not None else None
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Bind new endpoints (always), then the fleet-wide sums (at most once per ``interval_s``)."""
+        if self._registry.version != self._seen_version:
+            self._rebind()
+        now = time.monotonic()
+        if not force and now - self._summed_at < self._interval_s:
+            return
+        self._summed_at = now
+        row_load = self.table.row_load
+        for binding in self._bound.values():
+            requests, tokens, pending = row_load(binding.row)
+            for endpoint in binding.endpoints:
+                endpoint.in_flight = round(requests)
+                endpoint.in_flight_tokens = round(tokens)
+                endpoint.pending_prefill_tokens = pending
+
+    def _rebind(self) -> None:
+        self._seen_version = self._registry.version
+        by_name: dict[str, list[Endpoint]] = {}
+        for endpoint in self._registry.targets():
+            by_name.setdefault(endpoint.name, []).append(endpoint)
+        for name in [n for n in self._bound if n not in by_name]:
+            self._unbind(name)
+        for name, endpoints in by_name.items():
+            binding = self._bound.get(name) or self._bind(name)
+            if binding is None:
+                continue
+            for endpoint in endpoints:
+                if endpoint.shared_load is not binding.cell:
+                    endpoint.shared_load = binding.cell
+                    binding.endpoints.append(endpoint)
+
+    def _bind(self, name: str) -> _Binding | None:
+        row = self.table.claim(name)
+        if row is None:
+            if name not in self._unshared:
+                self._unshared.add(name)
+                log.warning(
+                    "worker table full (%d rows): endpoint %s is counted by this worker only",
+                    self.table.spec.rows,
+                    name,
+                )
+            if self._on_full is not None:
+                self._on_full(name)
+            return None
+        self._unshared.discard(name)
+        binding = self._bound[name] = _Binding(row, self.table.load_cell(row))
+        return binding
+
+    def _unbind(self, name: str) -> None:
+        binding = self._bound.pop(name)
+        for endpoint in binding.endpoints:  # requests still running there now count locally only
+            endpoint.shared_load = None
+        self.table.release(binding.row)
+
+    def close(self) -> None:
+        for name in list(self._bound):
+            self._unbind(name)

@@ -1,0 +1,120 @@
+"""What one worker of a multi-worker gateway shares with its siblings, wired in one place.
+
+``serve`` (the parent) creates a directory holding the shared load table and hands each
+worker a :class:`WorkerSlot`; ``build_app`` calls :func:`attach_worker` with it. With one
+worker there is no slot and none of this exists: the single process keeps today's path.
+
+Shared: per-endpoint in-flight requests, in-flight prompt tokens and pending prefill tokens
+(:class:`~gateway.fleet.shared_load.SharedLoad`); with the memory prefix index, what each
+worker records (:class:`~gateway.prefix.broadcast.BroadcastPrefixIndex`; the Redis index
+and the exact index from KV events are shared already); breaker states
+(:class:`~gateway.proxy.shared_breakers.SharedBreakerStates`); admin API changes
+(:class:`~gateway.http.admin_share.AdminShare`); ``/metrics`` answers with every worker's
+series (:class:`~gateway.http.metrics_share.MetricsShare`). Every response names the worker that
+served it (``x-gateway-worker: <pid>``), so an operator — or a test — can tell them apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from gateway.fleet.shared_load import SharedLoad
+from gateway.fleet.worker_table import TableSpec, WorkerTable
+from gateway.http.admin_share import AdminShare
+from gateway.http.metrics_share import MetricsShare
+from gateway.http.state import GatewayState
+from gateway.ops.tasks import supervise
+from gateway.prefix.broadcast import BroadcastPrefixIndex, PrefixBus
+from gateway.prefix.memory import MemoryPrefixIndex
+from gateway.proxy.shared_breakers import SharedBreakerStates
+
+__all__ = ["WORKER_HEADER", "WorkerSlot", "attach_worker"]
+
+WORKER_HEADER = "x-gateway-worker"
+_IDLE_REFRESH_S = 0.05  # sums refreshed this often without traffic (/metrics, scrapes, queue wakes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """Which worker this process is, and where the shared state lives (made by the parent)."""
+
+    index: int
+    directory: str
+    table: TableSpec
+
+
+def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -> None:
+    table = WorkerTable(slot.table, slot.index)
+    full = Counter(
+        "llm_gateway_worker_table_full",
+        "Endpoints the shared worker table had no row for (counted by one worker only)",
+        registry=state.metrics.registry,
+    )
+    shared = SharedLoad(table, state.registry, on_full=lambda _name: full.inc())
+    state.shared_load = shared
+    state.breakers.shared = SharedBreakerStates(shared)
+    shared.refresh(force=True)
+    index = _share_prefix_records(state, slot)
+    admin = state.admin_share = AdminShare(state, slot.directory, slot.index, slot.table.workers)
+    metrics = state.metrics_share = MetricsShare(
+        state.metrics.registry, slot.directory, slot.index, slot.table.workers
+    )
+    pid = str(os.getpid())
+
+    async def name_worker(_request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[WORKER_HEADER] = pid
+
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        if index is not None:
+            index.start()
+        admin.listen()
+        await metrics.start()
+        restarts = state.metrics.task_restarts
+        task = asyncio.create_task(
+            supervise(
+                "worker-share-refresh",
+                lambda: _refresh_while_idle(shared),
+                on_crash=lambda n: restarts.labels(n).inc(),
+            ),
+            name="worker-share-refresh",
+        )
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        admin.close()
+        await metrics.close()
+        shared.close()
+        table.close()
+        if index is not None:
+            await index.close()
+
+    app.on_response_prepare.append(name_worker)
+    app.cleanup_ctx.append(lifetime)
+
+
+def _share_prefix_records(state: GatewayState, slot: WorkerSlot) -> BroadcastPrefixIndex | None:
+    local = state.prefix.index
+    if not isinstance(local, MemoryPrefixIndex):  # Redis: every worker reads the same index
+        return None
+    dropped = Counter(
+        "llm_gateway_worker_prefix_records_dropped",
+        "Prefix-index broadcasts to a sibling worker dropped (its buffer was full, or it was gone)",
+        registry=state.metrics.registry,
+    )
+    bus = PrefixBus(slot.directory, slot.index, slot.table.workers, on_drop=dropped.inc)
+    index = state.prefix.index = BroadcastPrefixIndex(local, bus)
+    return index
+
+
+async def _refresh_while_idle(shared: SharedLoad) -> None:
+    while True:
+        await asyncio.sleep(_IDLE_REFRESH_S)
+        shared.refresh(force=True)

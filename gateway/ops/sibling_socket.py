@@ -1,0 +1,64 @@
+"""A unix datagram socket per worker, for messages among the workers of one gateway.
+
+The parent makes a private (0700) directory for the workers; each worker binds
+``<kind>-<index>.sock`` there and sends to its siblings' paths. Datagrams keep message
+boundaries and order, need no connection, and never block here: a sibling whose buffer
+is full, or that is gone, costs a counted failure (``send`` returns how many), not a wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+__all__ = ["SiblingSocket"]
+
+_MAX_READS = 256  # datagrams per readable event: other work gets the loop between batches
+
+
+class SiblingSocket:
+    def __init__(self, directory: str, kind: str, worker: int, workers: int, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._peers = [os.path.join(directory, f"{kind}-{w}.sock") for w in range(workers) if w != worker]
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path = os.path.join(directory, f"{kind}-{worker}.sock")
+        if os.path.exists(path):
+            os.unlink(path)
+        self._sock.bind(path)
+        self._sock.setblocking(False)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, max(max_bytes, 1 << 16))
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def send(self, datagram: bytes) -> int:
+        """To every sibling; returns how many did not get it (full buffer, gone)."""
+        failed = 0
+        for peer in self._peers:
+            try:
+                self._sock.sendto(datagram, peer)
+            except OSError:
+                failed += 1
+        return failed
+
+    def listen(self, receive: Callable[[bytes], None]) -> None:
+        """Call ``receive`` with each datagram as it arrives, on the running loop."""
+        self._loop = asyncio.get_running_loop()
+
+        def readable() -> None:
+            for _ in range(_MAX_READS):
+                try:
+                    datagram = self._sock.recv(self.max_bytes)
+                except BlockingIOError:
+                    return
+                receive(datagram)
+
+        self._loop.add_reader(self._sock.fileno(), readable)
+
+    def close(self) -> None:
+        if self._sock.fileno() < 0:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()

@@ -1,0 +1,90 @@
+"""Per-request costs of the workers' shared fleet view (issue 17 item 3), by ``timeit``.
+
+    python -m loadtest.worker_share_cost
+
+Prints, best of 5: one hook write to the shared load cells; the refresh that sums every row
+back into the endpoints (4 and 64 endpoints) and the refresh skipped within its millisecond;
+encoding, decoding and applying one prefix record of 128 blocks (an 8 KB prompt); and the
+CPU of sending such records one per datagram between two real buses (no batching: the worst
+case). Everything lives in a temporary directory; nothing is listened on but unix sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+import timeit
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.shared_load import SharedLoad
+from gateway.fleet.worker_table import WorkerTable, create_table
+from gateway.prefix.broadcast import PrefixBus, _decode, _encode
+from gateway.prefix.memory import MemoryPrefixIndex
+
+__all__ = ["main"]
+
+NAME = "10.0.0.1:8000"
+HASHES = list(range(10**12, 10**12 + 128))  # an 8 KB prompt: 128 blocks of 64 bytes
+
+
+def _best_us(stmt: str, number: int, **names: object) -> float:
+    return min(timeit.repeat(stmt, number=number, repeat=5, globals=names)) / number * 1e6
+
+
+def _load(directory: str) -> None:
+    for fleet in (4, 64):
+        sub = os.path.join(directory, f"fleet-{fleet}")
+        os.mkdir(sub)
+        urls = [f"http://10.0.0.{i}:8000" for i in range(fleet)]
+        registry = EndpointRegistry(Endpoint(url, configured_models=frozenset({"m"})) for url in urls)
+        shared = SharedLoad(WorkerTable(create_table(sub, 1024, 2), 0), registry)
+        shared.refresh(force=True)
+        cell = next(iter(registry)).shared_load
+        full = _best_us("shared.refresh(force=True)", 2000, shared=shared)
+        skipped = _best_us("shared.refresh()", 20000, shared=shared)
+        write = _best_us("cell.add(1, 100)", 200000, cell=cell)
+        print(f"{fleet} endpoints: refresh {full:.2f} us, skipped {skipped:.3f} us; write {write:.3f} us")
+
+
+def _records() -> None:
+    encode = _best_us("_encode([(name, hashes)])", 5000, _encode=_encode, name=NAME, hashes=HASHES)
+    datagram = _encode([(NAME, HASHES)])[0]
+    decode = _best_us("_decode(datagram)", 5000, _decode=_decode, datagram=datagram)
+    index = MemoryPrefixIndex()
+    apply = _best_us("index.record(hashes, name)", 5000, index=index, hashes=HASHES, name=NAME)
+    print(f"128-block record: encode {encode:.2f} us, decode {decode:.2f} us, apply {apply:.2f} us")
+
+
+async def _sends(directory: str, count: int = 2000) -> None:
+    sub = os.path.join(directory, "bus")
+    os.mkdir(sub)
+    sender, receiver = PrefixBus(sub, 0, 2), PrefixBus(sub, 1, 2)
+    received: list[int] = []
+    receiver.listen(lambda _endpoint, _hashes: received.append(1))
+    started = time.process_time()
+    for _ in range(count):
+        sender.publish(NAME, HASHES)
+        await asyncio.sleep(0)  # one record per loop turn: one datagram each
+    for _ in range(5000):
+        if len(received) >= count:
+            break
+        await asyncio.sleep(0.001)
+    cpu_us = (time.process_time() - started) / count * 1e6
+    print(f"publish + send + receive + apply, one record per datagram: {cpu_us:.1f} us CPU per record")
+    sender.close()
+    receiver.close()
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as directory:
+        _load(directory)
+        _records()
+        asyncio.run(_sends(directory))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""SharedLoad: a worker's endpoints bound to table rows, the whole gateway's load summed back.
+
+Two workers' views of one table in one process (each with its own registry and endpoint
+objects, as real workers have); the cross-process behaviour is in tests/web/test_workers_shared_view.py.
+"""
+
+from __future__ import annotations
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.shared_load import SharedLoad
+from gateway.fleet.worker_table import WorkerTable, create_table
+
+
+def _worker(
+    spec, index: int, urls: list[str], full: list[str] | None = None
+) -> tuple[SharedLoad, EndpointRegistry]:
+    registry = EndpointRegistry(Endpoint(url) for url in urls)
+    shared = SharedLoad(WorkerTable(spec, index), registry, on_full=None if full is None else full.append)
+    shared.refresh(force=True)
+    return shared, registry
+
+
+def test_each_worker_sees_its_own_sends_at_once_and_the_siblings_at_refresh(tmp_path):
+    spec = create_table(str(tmp_path), rows=4, workers=2)
+    first, reg0 = _worker(spec, 0, ["http://a:1"])
+    second, reg1 = _worker(spec, 1, ["http://a:1"])
+    a0, a1 = reg0.get("http://a:1"), reg1.get("http://a:1")
+    a0.in_flight += 1  # what InFlightHook does
+    a0.shared_load.add(1, 500)
+    a0.pending_prefill_tokens += 400.0
+    a0.shared_load.add_pending(400.0)
+    assert (a1.in_flight, a1.in_flight_tokens) == (0, 0)
+    second.refresh(force=True)
+    assert (a1.in_flight, a1.in_flight_tokens, a1.pending_prefill_tokens) == (1, 500, 400.0)
+    a1.shared_load.add(2, 100)
+    first.refresh(force=True)
+    assert (a0.in_flight, a0.in_flight_tokens) == (3, 600)
+
+
+def test_a_full_table_keeps_the_endpoint_local_and_counts_it_until_a_row_frees(tmp_path):
+    spec = create_table(str(tmp_path), rows=1, workers=2)
+    full: list[str] = []
+    shared, registry = _worker(spec, 0, ["http://a:1", "http://b:2"], full)
+    a, b = registry.get("http://a:1"), registry.get("http://b:2")
+    assert a.shared_load is not None and b.shared_load is None
+    assert full == ["b:2"]
+    registry.remove("http://a:1")  # its row is freed at the next refresh; b takes it
+    shared.refresh()
+    assert a.shared_load is None and b.shared_load is not None
+    assert shared.table.rows_in_use() == 1
+
+
+def test_a_replaced_endpoint_object_shares_its_names_row(tmp_path):
+    spec = create_table(str(tmp_path), rows=2, workers=2)
+    shared, registry = _worker(spec, 0, ["http://a:1"])
+    old = registry.get("http://a:1")
+    old.shared_load.add(1, 10)  # a request still running on the object being replaced
+    registry.remove("http://a:1", rebuild=False)
+    registry.add(Endpoint("http://a:1"))
+    shared.refresh(force=True)
+    new = registry.get("http://a:1")
+    assert new.shared_load is old.shared_load and new.in_flight == 1

@@ -1,0 +1,55 @@
+"""exact_bench's cost-model, peer and ceiling arms end to end on small simulated fleets: each
+arm's hit ratio comes from the engines' counters and stays under its own offline ceiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import exact_bench
+from loadtest.peers import peer_available
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--requests", "16", "--replicas", "2", "--kv-blocks", "64", "--docs", "3", "--doc-tokens", "120",
+    "--active", "4", "--concurrency", "2", "--time-scale", "20",
+]  # fmt: skip
+
+
+def test_cost_model_and_ceiling_arms_run_and_stay_under_their_ceiling(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    arms = ["dynamo-cost", "dynamo-cost-engine", "llm-d-weights", "ideal"]
+    if peer_available("sglang-router"):
+        arms.append("sglang-router")
+    assert exact_bench.main([*SMALL, "--arms", ",".join(arms), "--json"]) == 0
+    rows = {r["arm"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])}
+    assert set(rows) == set(arms)
+    for row in rows.values():
+        assert row["requests"] == 16
+        # Later turns resend their conversation and documents repeat: the engines count hits,
+        # and no arm can beat one cache that never evicts and saw every earlier request.
+        assert 0.1 < row["hit_ratio"] <= row["ceiling"] < 1.0
+    for name in ("dynamo-cost", "dynamo-cost-engine", "llm-d-weights"):  # exact state predicted
+        assert rows[name]["exact_predictions"] > 0.5
+    assert rows["ideal"]["max_share"] == 1.0  # one replica
+    if "sglang-router" in rows:  # no prediction header: no error to report
+        assert (
+            rows["sglang-router"]["mean_abs_error_tokens"] != rows["sglang-router"]["mean_abs_error_tokens"]
+        )
+
+
+def test_two_gateways_share_exact_state_through_the_engines_events(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--gateways 2``: turns alternate between two gateway processes. Each subscribes to the
+    engines' events, so each predicts the other's requests' blocks too; the Redis arm runs."""
+    arms = ["exact", "approximate-redis"]
+    assert exact_bench.main([*SMALL, "--gateways", "2", "--arms", ",".join(arms), "--json"]) == 0
+    rows = {r["arm"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])}
+    for row in rows.values():
+        assert row["requests"] == 16 and row["gateways"] == 2
+        assert 0.1 < row["hit_ratio"] <= row["ceiling"] < 1.0
+    assert rows["exact"]["exact_predictions"] > 0.5

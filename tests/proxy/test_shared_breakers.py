@@ -1,0 +1,70 @@
+"""Breaker states shared by two workers: two processes' views of one table, in one test process.
+
+Each "worker" has its own registry, endpoint objects and breakers, as real workers do, and
+maps the same table file with its own column; ``review`` is what each worker's ticker runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.config import ResilienceConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.shared_load import SharedLoad
+from gateway.fleet.worker_table import WorkerTable, create_table
+from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.resilience import BreakerState, CircuitBreakers
+from gateway.proxy.shared_breakers import SharedBreakerStates
+
+URLS = ["http://127.0.0.1:9101", "http://127.0.0.1:9102", "http://127.0.0.1:9103"]
+
+
+def _worker(spec, index: int) -> tuple[CircuitBreakers, Endpoint]:
+    endpoints = [Endpoint(url, configured_models=frozenset({"m"}), healthy=True) for url in URLS]
+    registry = EndpointRegistry(endpoints)
+    shared = SharedLoad(WorkerTable(spec, index), registry)
+    shared.refresh(force=True)
+    breakers = CircuitBreakers(
+        ResilienceConfig(consecutive_failures=2, ejection_s=5.0), registry, GatewayMetrics()
+    )
+    breakers.shared = SharedBreakerStates(shared)
+    return breakers, endpoints[0]
+
+
+def test_an_ejection_is_adopted_one_worker_probes_and_its_verdict_closes_both(tmp_path):
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
+    first.on_failure(a0, "http_500")
+    first.on_failure(a0, "http_500")
+    assert a0.ejected and not a1.ejected
+    now = time.monotonic()
+    second.review(now)
+    assert a1.ejected and second.state(a1) is BreakerState.OPEN  # adopted, never having failed there
+
+    later = now + 6.0  # the ejection is over: both review; only the first to claim probes
+    second.review(later)
+    first.review(later)
+    assert second.state(a1) is BreakerState.HALF_OPEN and not a1.ejected  # in rotation for its probe
+    assert first.state(a0) is BreakerState.OPEN and a0.ejected  # waits for the sibling's verdict
+
+    second.on_send(a1)
+    second.on_success(a1)
+    first.review(later + 0.25)
+    assert first.state(a0) is BreakerState.CLOSED and not a0.ejected
+
+
+def test_a_failed_probe_ejects_again_everywhere_for_longer(tmp_path):
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
+    first.on_failure(a0, "connect")
+    first.on_failure(a0, "connect")
+    now = time.monotonic() + 6.0
+    first.review(now)  # first claims the probe
+    second.review(now)
+    first.on_send(a0)
+    first.on_failure(a0, "connect")  # the probe failed: ejected again, for 10 s from the real now
+    second.review(now + 0.25)
+    assert second.state(a1) is BreakerState.OPEN and a1.ejected
+    second.review(now + 3.0)  # 9 s after the first ejection (5 s), within the second (10 s from now)
+    assert second.state(a1) is BreakerState.OPEN and a1.ejected
