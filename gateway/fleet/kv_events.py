@@ -37,6 +37,7 @@ from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_ranked_batch, decode_seq
 from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.zmq_context import OwnedContext
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.ops.tasks import supervise
 
@@ -149,7 +150,7 @@ class KVEventSubscriber:
         self._ctx: zmq.asyncio.Context | None = None
 
     async def run(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = OwnedContext()
         try:
             while True:
                 self.reconcile()
@@ -158,10 +159,18 @@ class KVEventSubscriber:
             tasks = [task for _, task in self._tasks.values()]
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._tasks.clear()
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:  # a second cancellation must not leave the context open (see _close_context)
+                self._tasks.clear()
+                self._close_context()
+
+    def _close_context(self) -> None:
+        """Close every socket and the context now, whatever the streams' tasks are doing
+        (:class:`~gateway.fleet.zmq_context.OwnedContext` says why it matters)."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)
 
     def reconcile(self) -> None:
         # One stream per routing target: a replica, or each data-parallel rank of one (fleet/dp.py).

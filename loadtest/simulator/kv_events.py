@@ -38,6 +38,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from gateway.fleet.zmq_context import OwnedContext
+
 from .kvcache import KVCache
 
 __all__ = ["KVEventPublisher", "wire_events"]
@@ -127,7 +129,7 @@ class KVEventPublisher:
         self.replays_served = 0
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = OwnedContext()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(100_000)
@@ -215,16 +217,17 @@ class KVEventPublisher:
             await router.send_multipart([identity, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
+        """Sockets and context first, before any wait: a close cut short by a cancellation
+        must not leave an open context to the garbage collector, whose ``Context.__del__``
+        can block the process forever (see ``gateway.fleet.kv_events``)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for socket in (self._pub, self._router):
-            if socket is not None:
-                socket.close(linger=0)
         self._pub = self._router = None
         self._cache.events = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)  # closes the PUB and ROUTER sockets, then terminates
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await task
