@@ -191,11 +191,17 @@ class _GuardedRequestHandler(RequestHandler):
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """A broken body nobody read (a 404, or an admin call refused before its body) fails
-        again in aiohttp's lingering drain after the response; that is the client's error
-        too, so no ERROR traceback, and aiohttp closes the connection."""
+        again in aiohttp's lingering drain after the response, and a client that left makes
+        a write fail: the client's doing both, so no ERROR traceback; aiohttp closes the
+        connection."""
         exc = kw.get("exc_info")
         if isinstance(exc, (web.RequestPayloadError, RequestBodyTimeout)):
             log.info("client %s: unread request body: %s", self.peername, " ".join(str(exc).split()))
+            return
+        if isinstance(exc, ConnectionResetError):
+            # The client left between two writes of its answer (the middleware logged it and
+            # the proxy counted it): ordinary at a load generator's end, no traceback.
+            log.debug("client %s: gone mid-answer: %s", self.peername, exc)
             return
         super().log_exception(*args, **kw)
 
