@@ -12,6 +12,7 @@ as the Anthropic SDKs parse; every other route the OpenAI body. Same statuses.
 from __future__ import annotations
 
 import json
+import math
 from enum import StrEnum
 from typing import Any
 
@@ -49,6 +50,7 @@ class ErrorFormat(StrEnum):
     ANTHROPIC = "anthropic"
 
 
+_MAX_RETRY_AFTER_S = 86_400
 _ANTHROPIC_ROUTES = ("/v1/messages",)  # and everything under it (count_tokens)
 
 
@@ -103,8 +105,9 @@ class GatewayError(Exception):
         self, headers: dict[str, str] | None = None, *, fmt: ErrorFormat = ErrorFormat.OPENAI
     ) -> web.Response:
         extra = dict(headers or {})
-        if self.retry_after is not None:
-            extra["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.retry_after is not None:  # whole seconds, at least 1, at most a day (never inf/NaN)
+            seconds = self.retry_after if math.isfinite(self.retry_after) else _MAX_RETRY_AFTER_S
+            extra["Retry-After"] = str(min(_MAX_RETRY_AFTER_S, max(1, round(seconds))))
         return error_response(
             self.status, self.message, self.error_type, self.code, self.param, headers=extra, fmt=fmt
         )

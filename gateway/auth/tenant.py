@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.config.base import refuse_boolean
 from gateway.request.types import Priority
 
 __all__ = ["TENANT_NAME_PATTERN", "Priority", "Tenant", "TenantSpec"]  # Priority: re-exported
@@ -50,7 +51,7 @@ class Tenant:
 class TenantSpec(BaseModel):
     """A tenant as written in the keys file or stored in Redis (its name is the mapping key)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     priority: Priority = "standard"
     models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
@@ -63,6 +64,8 @@ class TenantSpec(BaseModel):
     slo_tpot_ms: float | None = Field(
         None, gt=0, le=3_600_000, description="TPOT objective of its requests without x-slo-* headers"
     )
+
+    _numbers = field_validator("slo_ttft_ms", "slo_tpot_ms", mode="before")(refuse_boolean)
 
     # ``models:`` or ``requests_per_minute:`` written with no value reads as null: same as missing.
     @field_validator("models", mode="before")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from gateway.config.base import Strict
+from gateway.config.base import Strict, refuse_boolean
 from gateway.request.types import Priority
 
 __all__ = ["SloConfig", "SloTarget"]
@@ -13,6 +13,8 @@ __all__ = ["SloConfig", "SloTarget"]
 class SloTarget(Strict):
     ttft_ms: float | None = Field(None, gt=0, le=3_600_000, description="time to first token objective")
     tpot_ms: float | None = Field(None, gt=0, le=3_600_000, description="time per output token objective")
+
+    _numbers = field_validator("ttft_ms", "tpot_ms", mode="before")(refuse_boolean)
 
 
 class SloConfig(Strict):
