@@ -14,6 +14,7 @@ priority — which may differ from the header's — picks the class defaults.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,14 +36,19 @@ class SloOptions:
     defaults: Mapping[Priority, tuple[float | None, float | None]] = field(default_factory=dict)
 
 
+# ASCII decimal only: Python's float() also reads "١٢٣", "１００", "1_000" and a leading no-break space.
+_NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _milliseconds(headers: Mapping[str, str], name: str) -> float | None:
     raw = headers.get(name)
     if raw is None:
         return None
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
+    getall = getattr(headers, "getall", None)
+    if getall is not None and len(getall(name)) > 1:  # a single value, not a list (RFC 9110 §5.3)
+        raise BadRequest(f"header {name}: sent more than once", param=name)
+    text = raw.strip(" \t")
+    value = float(text) if _NUMBER.fullmatch(text) else math.nan
     if not math.isfinite(value) or value <= 0 or value > MAX_SLO_MS:
         raise BadRequest(
             f"header {name}: {raw[:40]!r} is not a number of milliseconds in (0, {MAX_SLO_MS:g}]",
