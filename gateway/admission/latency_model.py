@@ -33,6 +33,7 @@ dot product. Nothing here blocks or does I/O.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ TPOT_FEATURES = ("intercept", "in_flight", "kv_usage")
 _TPOT_SCALE = (1.0, 4.0, 1.0)
 _TPOT_PRIOR = (10.0, 0.5, 0.0)
 _FLOOR_MS = 0.1
+_MAX_FEATURE = 1e6  # in typical units (the scales): beyond it a feature is garbage, not load
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
@@ -92,15 +94,18 @@ class OnlineLinearModel:
         return max(_FLOOR_MS, sum(t * v for t, v in zip(self.theta, x, strict=True)))
 
     def observe(self, x: Sequence[float], y: float, prior: Sequence[float]) -> None:
-        weight = 1.0
-        if self.samples:
-            residual = abs(y - self.predict(x))
-            if self.samples >= 4 and residual > 3 * self._abs_residual > 0:
-                weight = 3 * self._abs_residual / residual
-            rate = max(0.05, 1 / self.samples)
-            capped = min(residual, 3 * self._abs_residual) if self.samples >= 4 else residual
-            self._abs_residual += rate * (capped - self._abs_residual)
         z = [v / s for v, s in zip(x, self._scale, strict=True)]
+        if not math.isfinite(y) or not all(abs(v) <= _MAX_FEATURE for v in z):  # NaN fails too
+            return  # garbage in (a broken scrape): one such sample once poisoned the fit for good
+        predicted = self.predict(x)
+        residual = abs(y - predicted)
+        # The residual scale: the running mean absolute residual once it rests on a few samples;
+        # before that the prediction itself (the prior's), so a cold engine's first answer
+        # (graph capture, 6 s against a few ms after) is down-weighted like any other outlier.
+        scale = self._abs_residual if self.samples >= 4 else max(self._abs_residual, predicted)
+        weight = 3 * scale / residual if residual > 3 * scale > 0 else 1.0
+        rate = max(0.05, 1 / (self.samples + 1))
+        self._abs_residual += rate * (min(residual, 3 * scale) - self._abs_residual)
         decay, xtx, xty = self._decay, self._xtx, self._xty
         for i in range(self.dim):
             row, zi = xtx[i], z[i] * weight
@@ -128,7 +133,12 @@ class OnlineLinearModel:
                 break
             free.remove(worst)
             solution = {}
-        self.theta = tuple(solution.get(i, 0.0) / self._scale[i] for i in range(self.dim))
+        theta = tuple(solution.get(i, 0.0) / self._scale[i] for i in range(self.dim))
+        if all(math.isfinite(t) for t in theta):
+            self.theta = theta
+
+    def set_horizon(self, horizon: int) -> None:
+        self._decay = 1.0 - 1.0 / horizon
 
     def set_prior(self, prior: Sequence[float]) -> None:
         """Before any observation: predict ``prior`` (a cold model has nothing better)."""
@@ -177,6 +187,13 @@ class LatencyModel:
         self.fleet.tpot.set_prior(_TPOT_PRIOR)
         self._replicas: OrderedDict[str, _Replica] = OrderedDict()
         self._bias: dict[str, float] = {}  # priority → mean observed / predicted TTFT
+
+    def reconfigure(self, *, horizon: int, min_samples: int) -> None:
+        """Hot reload: the new memory applies to every model from its next observation."""
+        self._horizon, self.min_samples = horizon, min_samples
+        for replica in (self.fleet, *self._replicas.values()):
+            replica.ttft.set_horizon(horizon)
+            replica.tpot.set_horizon(horizon)
 
     # -- features ---------------------------------------------------------------------
     def ttft_features(self, endpoint: Endpoint, uncached_tokens: float) -> tuple[float, ...]:

@@ -8,7 +8,6 @@ own parser (no hand-rolled exposition-format parsing).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,6 +45,10 @@ _SGLANG = {
     "sglang:token_usage": "kv_usage",
 }
 _FAMILIES = {EngineKind.VLLM: _VLLM, EngineKind.SGLANG: _SGLANG}
+# Beyond these a value is garbage (a broken exporter), not load: one absurd queue length fed to
+# the latency model as a feature once poisoned its fit for good.
+_MAX_GAUGE = 1e9
+_MAX_COUNTER = float(2**63)
 
 
 def _wanted_lines(text: str, names: tuple[str, ...]) -> str:
@@ -86,8 +89,9 @@ def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None)
         for sample in family.samples:
             if rank is not None and sample.labels.get("engine", rank) != rank:
                 continue
-            if field != "cache_config" and not math.isfinite(sample.value):
-                continue  # NaN/Inf is "not reported", never a load value
+            limit = _MAX_COUNTER if field == "restart_marker" else _MAX_GAUGE
+            if field != "cache_config" and not 0 <= sample.value <= limit:
+                continue  # NaN/Inf, negative or absurd: "not reported", never a load value
             if field == "cache_config":
                 load.block_size = _int_label(sample.labels, "block_size")
                 load.num_blocks = _int_label(sample.labels, "num_gpu_blocks")

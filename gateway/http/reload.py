@@ -88,6 +88,9 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
             await state.probe([e for c in joining if (e := state.registry.get(c.url)) is not None])
     state.membership.apply(CONFIG_SOURCE, new.endpoints)
     state.admission.reconfigure(new.admission)
+    if state.plugin_context.latency is not None:
+        slo = new.admission.slo
+        state.plugin_context.latency.reconfigure(horizon=slo.horizon, min_samples=slo.min_samples)
     state.health.reconfigure(new.health)
     if state.health_checker is not None:
         state.health_checker.reconfigure(new.health)
