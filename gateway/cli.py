@@ -76,8 +76,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    serve(config, ReloadSource(Path(args.config), overrides) if args.config else None)
-    return 0
+    return serve(config, ReloadSource(Path(args.config), overrides) if args.config else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

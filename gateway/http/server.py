@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -29,6 +30,7 @@ import secrets
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -55,6 +57,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _AIOHTTP_SHUTDOWN_GRACE_S = 2.0  # after our own shutdown deadline
+_REPEAT_WINDOW_S = 1.0  # a stop signal again within this is the same stop delivered twice
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -135,11 +139,19 @@ async def _serve_one(
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
 
+    first_stop_at: float | None = None
+
     def on_stop_signal() -> None:
-        if stop.is_set():
+        nonlocal first_stop_at
+        now = time.monotonic()
+        if first_stop_at is None:
+            first_stop_at = now
+            stop.set()
+        elif now - first_stop_at >= _REPEAT_WINDOW_S:
             log.warning("second stop signal: exiting now")
             os._exit(1)
-        stop.set()
+        # else: the same stop delivered twice (to the whole process group or cgroup, and
+        # forwarded by the parent): one drain, not an abrupt exit
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop_signal)
@@ -208,12 +220,24 @@ async def _watch_keys(state: GatewayState, interval_s: float = 2.0) -> None:
 
 
 def _worker_main(
-    config: GatewayConfig, log_level: str, reload: ReloadSource | None, worker: WorkerSlot
+    config: GatewayConfig, log_level: str, reload: ReloadSource | None, worker: WorkerSlot, parent: int
 ) -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the loop's handler: a reload must not kill
+    _die_with_parent(parent)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve_one(config, reuse_port=True, reload=reload, worker=worker))
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker whose parent is gone (SIGKILL, the OOM killer) drains and exits: orphans would
+    go on serving the port (SO_REUSEPORT) with nobody clearing their shared counts, next to a
+    restarted gateway. Linux's parent-death signal; elsewhere only the check at start."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
 
 
 def shared_worker_config(
@@ -238,23 +262,28 @@ def shared_worker_config(
     return config, reload
 
 
-def serve(config: GatewayConfig, reload: ReloadSource | None = None) -> None:
+def serve(config: GatewayConfig, reload: ReloadSource | None = None) -> int:
+    """Run until stopped; the process's exit status."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until a handler is in: a reload must not kill
     if config.server.workers == 1:
         install_uvloop()
         asyncio.run(_serve_one(config, reuse_port=False, reload=reload))
-        return
+        return 0
     config, reload = shared_worker_config(config, reload)
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # memory-backed where there is one
     directory = tempfile.mkdtemp(prefix="llm-gateway-", dir=shm)
     try:
         spec = create_table(directory, config.server.worker_table_rows, config.server.workers)
-        _supervise(config, reload, [WorkerSlot(i, directory, spec) for i in range(config.server.workers)])
+        return _supervise(
+            config, reload, [WorkerSlot(i, directory, spec) for i in range(config.server.workers)]
+        )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[WorkerSlot]) -> None:
-    """Start the workers, forward signals to them, and clear the shared cells of each that exits.
+def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[WorkerSlot]) -> int:
+    """Start the workers, forward signals to them, and clear the shared cells of each that exits;
+    the exit status: 0 after a requested stop that every worker ended cleanly, else 1.
 
     A worker that dies (killed, crashed) leaves the others serving; its in-flight counts and
     its half-open probes are taken out of the table at once, so no endpoint stays loaded by
@@ -264,15 +293,18 @@ def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[W
     workers = [
         context.Process(
             target=_worker_main,
-            args=(config, config.log_level, reload, slot),
+            args=(config, config.log_level, reload, slot, os.getpid()),
             name=f"gateway-worker-{slot.index}",
         )
         for slot in slots
     ]
     for worker in workers:
         worker.start()
+    stopping = False
 
     def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = stopping or signum != signal.SIGHUP
         for worker in workers:
             if worker.is_alive() and worker.pid is not None:
                 os.kill(worker.pid, signum)
@@ -280,6 +312,7 @@ def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[W
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     table = WorkerTable(slots[0].table, None)
+    failed = False
     try:
         running = {worker.sentinel: (slot, worker) for slot, worker in zip(slots, workers, strict=True)}
         while running:
@@ -287,6 +320,7 @@ def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[W
                 slot, worker = running.pop(sentinel)
                 worker.join()
                 table.clear_worker(slot.index)
+                failed = failed or worker.exitcode != 0
                 if running:
                     log.warning(
                         "worker %d (pid %s) exited with %s; its shared load counts were cleared",
@@ -296,3 +330,7 @@ def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[W
                     )
     finally:
         table.close()
+    if failed or not stopping:  # every worker gone with nobody asking: a failure (a taken port …)
+        log.error("every worker has exited%s", "" if stopping else " without a stop signal")
+        return 1
+    return 0
