@@ -27,6 +27,7 @@ from gateway.fleet.worker_table import LoadCell, WorkerTable
 __all__ = ["SharedLoad"]
 
 log = logging.getLogger(__name__)
+_RETRY_S = 0.1  # how often endpoints left out of a full table try for a row again
 
 
 @dataclass(eq=False, slots=True)
@@ -54,16 +55,22 @@ class SharedLoad:
         self._unshared: set[str] = set()  # names the full table had no row for (logged once)
         self._seen_version = -1
         self._summed_at = -1.0
+        self._retry_at = 0.0
 
     def row(self, endpoint: Endpoint) -> int | None:
         binding = self._bound.get(endpoint.name)
         return binding.row if binding is not None else None
 
     def refresh(self, *, force: bool = False) -> None:
-        """Bind new endpoints (always), then the fleet-wide sums (at most once per ``interval_s``)."""
-        if self._registry.version != self._seen_version:
-            self._rebind()
+        """Bind new endpoints (always), then the fleet-wide sums (at most once per ``interval_s``).
+
+        Endpoints the full table had no row for are tried again every ``_RETRY_S``: a row
+        freed by another worker's endpoint leaving changes nothing in this worker's registry.
+        """
         now = time.monotonic()
+        if self._registry.version != self._seen_version or (self._unshared and now >= self._retry_at):
+            self._retry_at = now + _RETRY_S
+            self._rebind()
         if not force and now - self._summed_at < self._interval_s:
             return
         self._summed_at = now
@@ -94,18 +101,23 @@ class SharedLoad:
     def _bind(self, name: str) -> _Binding | None:
         row = self.table.claim(name)
         if row is None:
-            if name not in self._unshared:
+            if name not in self._unshared:  # logged and counted once per endpoint, not per retry
                 self._unshared.add(name)
                 log.warning(
                     "worker table full (%d rows): endpoint %s is counted by this worker only",
                     self.table.spec.rows,
                     name,
                 )
-            if self._on_full is not None:
-                self._on_full(name)
+                if self._on_full is not None:
+                    self._on_full(name)
             return None
-        self._unshared.discard(name)
         binding = self._bound[name] = _Binding(row, self.table.load_cell(row))
+        if name in self._unshared:  # what it counted alone until now moves into its cells
+            self._unshared.discard(name)
+            for endpoint in self._registry.targets():
+                if endpoint.name == name:
+                    binding.cell.add(endpoint.in_flight, endpoint.in_flight_tokens)
+                    binding.cell.add_pending(endpoint.pending_prefill_tokens)
         return binding
 
     def _unbind(self, name: str) -> None:
