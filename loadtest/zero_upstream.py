@@ -18,8 +18,10 @@ Routes:
 - SGLang's ``/get_server_info``, ``/get_model_info``, ``/get_load`` for routers that probe them;
 - anything else: 404.
 
-``--chunk-interval-ms N`` paces a stream: one event every N ms (timers, no task per stream),
-so many long-lived streams stay open at once (``loadtest.streams_bench``).
+``--chunks N`` makes a streamed answer N events (8 by default): long streams measure the
+per-event cost of a router apart from its per-request cost. ``--chunk-interval-ms N`` paces
+a stream: one event every N ms (timers, no task per stream), so many long-lived streams
+stay open at once (``loadtest.streams_bench``).
 
 ``--workers N`` forks N processes that each bind the port with ``SO_REUSEPORT``; the
 kernel spreads connections across them. The parent forwards SIGTERM/SIGINT to them.
@@ -118,16 +120,16 @@ def _metrics(model: str) -> bytes:
     ).encode()
 
 
-def _streams(model: str) -> dict[str, tuple[bytes, ...]]:
+def _streams(model: str, chunks: int = STREAM_CHUNKS) -> dict[str, tuple[bytes, ...]]:
     """The streaming answers: a tuple of socket writes each (head + first event, events, [DONE])."""
-    usage = _USAGE
+    usage = {"prompt_tokens": 5, "completion_tokens": chunks, "total_tokens": 5 + chunks}
 
     def sse_writes(make_chunk) -> tuple[bytes, ...]:
         head = (
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
-        events = [b"data: " + _json(make_chunk(i)) + b"\n\n" for i in range(STREAM_CHUNKS)]
+        events = [b"data: " + _json(make_chunk(i)) + b"\n\n" for i in range(chunks)]
         writes = [head + _chunk(events[0]), *(_chunk(e) for e in events[1:])]
         writes.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         return tuple(writes)
@@ -136,7 +138,7 @@ def _streams(model: str) -> dict[str, tuple[bytes, ...]]:
         delta: dict[str, str] = {"content": "z"}
         if i == 0:
             delta["role"] = "assistant"
-        last = i == STREAM_CHUNKS - 1
+        last = i == chunks - 1
         return {
             "id": "chatcmpl-zero",
             "object": "chat.completion.chunk",
@@ -147,7 +149,7 @@ def _streams(model: str) -> dict[str, tuple[bytes, ...]]:
         }
 
     def completion_chunk(i: int) -> dict[str, object]:
-        last = i == STREAM_CHUNKS - 1
+        last = i == chunks - 1
         return {
             "id": "cmpl-zero",
             "object": "text_completion",
@@ -159,7 +161,7 @@ def _streams(model: str) -> dict[str, tuple[bytes, ...]]:
     return {"stream_chat": sse_writes(chat_chunk), "stream_completion": sse_writes(completion_chunk)}
 
 
-def build_responses(model: str) -> dict[str, object]:
+def build_responses(model: str, chunks: int = STREAM_CHUNKS) -> dict[str, object]:
     """Every answer as wire bytes: ``{key: bytes}`` plus ``stream_*``: a tuple of writes."""
     ok_json = "application/json"
     answers = _answers(model)
@@ -172,7 +174,7 @@ def build_responses(model: str) -> dict[str, object]:
         "load": _response("200 OK", ok_json, _json({"load": 0})),
         "chat": _response("200 OK", ok_json, _json(answers["chat"])),
         "completion": _response("200 OK", ok_json, _json(answers["completion"])),
-        **_streams(model),
+        **_streams(model, chunks),
         "not_found": _response("404 Not Found", ok_json, _json({"error": {"message": "not found"}})),
         "bad_request": _response("400 Bad Request", ok_json, _json({"error": {"message": "bad request"}})),
     }
@@ -358,11 +360,17 @@ def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 
 async def serve(
-    host: str, port: int, model: str = "zero", *, reuse_port: bool = False, interval_s: float = 0.0
+    host: str,
+    port: int,
+    model: str = "zero",
+    *,
+    reuse_port: bool = False,
+    interval_s: float = 0.0,
+    chunks: int = STREAM_CHUNKS,
 ) -> None:
     """Serve until SIGTERM/SIGINT."""
     loop = asyncio.get_running_loop()
-    responses = build_responses(model)
+    responses = build_responses(model, chunks)
     sock = _listen_socket(host, port, reuse_port)
     server = await loop.create_server(lambda: ZeroProtocol(responses, interval_s), sock=sock, backlog=4096)
     stop = asyncio.Event()
@@ -372,12 +380,14 @@ async def serve(
         await stop.wait()
 
 
-def _run(host: str, port: int, model: str, reuse_port: bool, interval_s: float = 0.0) -> None:
+def _run(
+    host: str, port: int, model: str, reuse_port: bool, interval_s: float = 0.0, chunks: int = STREAM_CHUNKS
+) -> None:
     with contextlib.suppress(ImportError):
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(serve(host, port, model, reuse_port=reuse_port, interval_s=interval_s))
+    asyncio.run(serve(host, port, model, reuse_port=reuse_port, interval_s=interval_s, chunks=chunks))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     parser.add_argument("--model", default="zero")
     parser.add_argument("--chunk-interval-ms", type=float, default=0.0, help="pace streamed events")
+    parser.add_argument("--chunks", type=int, default=STREAM_CHUNKS, help="events per streamed answer")
     args = parser.parse_args(argv)
+    if args.chunks < 1:
+        parser.error("--chunks must be at least 1")
     interval_s = args.chunk_interval_ms / 1000
     if args.workers <= 1:
-        _run(args.host, args.port, args.model, reuse_port=False, interval_s=interval_s)
+        _run(args.host, args.port, args.model, False, interval_s, args.chunks)
         return 0
     children: list[int] = []
     for _ in range(args.workers):
@@ -401,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             try:
-                _run(args.host, args.port, args.model, reuse_port=True, interval_s=interval_s)
+                _run(args.host, args.port, args.model, True, interval_s, args.chunks)
             finally:
                 os._exit(0)
         children.append(pid)

@@ -67,11 +67,30 @@ async def _start_gateway(
     return gateway
 
 
+async def _start_floor(kind: str, upstream: str, log_dir: Path) -> ManagedProcess:
+    """The bare proxy of ``loadtest.overhead.floor``: what the gateway costs above it is its own."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "loadtest.overhead.floor",
+        kind,
+        "--port",
+        str(port),
+        "--upstream",
+        upstream,
+    ]
+    floor = await spawn(f"floor-{kind}", f"http://127.0.0.1:{port}", argv, log_dir, kill_group=True)
+    await wait_ready(floor, "/ready", streak=2, fresh_connections=True)
+    return floor
+
+
 async def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    upstream = await _start_upstream(SimpleNamespace(upstream_workers=2), log_dir)
+    shape = {"upstream_chunks": args.chunks, "upstream_interval_ms": args.chunk_interval_ms}
+    upstream = await _start_upstream(SimpleNamespace(upstream_workers=2, **shape), log_dir)
     results: dict[str, dict[str, dict[str, float]]] = {}
     try:
         for policy in args.policies:
@@ -81,7 +100,9 @@ async def _run(args: argparse.Namespace) -> int:
                     gateways[name] = await _start_gateway(
                         tree, policy, upstream.url, log_dir, f"{name}-{policy}", args.workers
                     )
-                    problems = await check_target(gateways[name].url)
+                for kind in ("aiohttp", "httptools") if args.floor else ():
+                    gateways[f"floor-{kind}"] = await _start_floor(kind, upstream.url, log_dir)
+                    problems = await check_target(gateways[name].url, args.chunks)
                     if problems:
                         print(f"  ! {name} {policy}: {'; '.join(problems)}", flush=True)
                 for variant in args.variants:
@@ -140,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--workers", type=int, default=1, help="gateway --workers (every tree)")
+    p.add_argument("--chunks", type=int, default=8, help="events per streamed answer (per-event cost)")
+    p.add_argument("--floor", action="store_true", help="also the bare proxies of loadtest.overhead.floor")
+    p.add_argument("--chunk-interval-ms", type=float, default=0.0, help="pace the events (own segments)")
     p.add_argument("--out", default="bench-results/overhead-ab")
     args = p.parse_args(argv)
     args.wrk = shutil.which("wrk")

@@ -20,11 +20,12 @@ __all__ = ["MODEL", "VARIANTS", "WRK_DIR", "Bench", "Row", "check_target", "slug
 WRK_DIR = Path(__file__).resolve().parent.parent / "wrk"
 VARIANTS = {"chat": "chat.lua", "chat_stream": "chat_stream.lua"}
 MODEL = "zero"
-STREAM_EVENTS = 9  # 8 chunks + data: [DONE]
 
 
-async def check_target(base_url: str) -> list[str]:
-    """One non-streaming and one streaming request by hand; returns the problems found."""
+async def check_target(base_url: str, chunks: int = 8) -> list[str]:
+    """One non-streaming and one streaming request by hand (``chunks`` events + ``[DONE]``);
+    returns the problems found."""
+    want = chunks + 1
     problems = []
     url = base_url + "/v1/chat/completions"
     messages = [{"role": "user", "content": "check"}]
@@ -38,9 +39,9 @@ async def check_target(base_url: str) -> list[str]:
             async with session.post(url, json={"model": MODEL, "messages": messages, "stream": True}) as resp:
                 text = (await resp.read()).decode(errors="replace")
                 events = [line for line in text.splitlines() if line.startswith("data:")]
-                if resp.status != 200 or len(events) != STREAM_EVENTS or events[-1].strip() != "data: [DONE]":
+                if resp.status != 200 or len(events) != want or events[-1].strip() != "data: [DONE]":
                     problems.append(
-                        f"stream: HTTP {resp.status}, {len(events)} data events (want {STREAM_EVENTS}),"
+                        f"stream: HTTP {resp.status}, {len(events)} data events (want {want}),"
                         f" ends {events[-1:]!r}"
                     )
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

@@ -38,6 +38,8 @@ async def _start_upstream(args: argparse.Namespace, log_dir: Path) -> ManagedPro
     port = free_port()
     argv = [sys.executable, "-m", "loadtest.zero_upstream", "--port", str(port)]
     argv += ["--workers", str(args.upstream_workers), "--model", MODEL]
+    argv += ["--chunks", str(getattr(args, "upstream_chunks", 8))]
+    argv += ["--chunk-interval-ms", str(getattr(args, "upstream_interval_ms", 0.0))]
     upstream = await spawn("zero-upstream", f"http://127.0.0.1:{port}", argv, log_dir, kill_group=True)
     try:
         await wait_ready(upstream, "/health", streak=2 * args.upstream_workers, fresh_connections=True)
