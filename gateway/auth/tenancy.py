@@ -165,7 +165,7 @@ class TenantAuth:
 
 
 def _max_tokens(request: InferenceRequest) -> int:
-    for field in ("max_completion_tokens", "max_tokens"):
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):  # the last: Responses
         value = request.body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

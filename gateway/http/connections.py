@@ -27,7 +27,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from gateway.errors import error_body, error_response
+from gateway.errors import error_body, error_format, error_response
 from gateway.http.middleware import RequestBodyTimeout
 
 __all__ = ["ClientGuard", "GuardedRunner", "connection_cap"]
@@ -109,6 +109,7 @@ class _GuardedRequestHandler(RequestHandler):
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline
         self._counted = False
         self._half_close = False  # send FIN right after the current response (end_after_response)
+        self._head_path: str | None = None  # of the request whose headers are arriving
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
@@ -136,7 +137,10 @@ class _GuardedRequestHandler(RequestHandler):
             return
         if self._timer is None and self._waiter is not None:
             self._arm(self._guard.header_timeout_s, self._header_timeout)  # a keep-alive request began
+            self._head_path = None
         waiting_for_headers = not self._messages
+        if waiting_for_headers and self._head_path is None:  # the request line's path, for handle_error
+            self._head_path = _request_path(data)
         super().data_received(data)
         if waiting_for_headers and self._messages:  # headers parsed: now the body's deadline
             self._cancel_timer()
@@ -226,9 +230,20 @@ class _GuardedRequestHandler(RequestHandler):
         log.info("client %s: %d %s", request.remote, status, text)
         if request.writer.output_size > 0:
             raise ConnectionError("response already started; cannot answer a parse error")
-        response = error_response(status, text, "invalid_request_error", code)
+        # aiohttp's stand-in request for an unparsable one has path "/": the route's own format
+        # comes from the request line as it arrived (an oversized header on /v1/messages)
+        fmt = error_format(self._head_path or request.path)
+        response = error_response(status, text, "invalid_request_error", code, fmt=fmt)
         response.force_close()
         return response
+
+
+def _request_path(data: bytes) -> str | None:
+    """The path of a request line at the start of ``data`` (``POST /v1/messages HTTP/1.1``)."""
+    parts = data[:8192].split(b" ", 2)
+    if len(parts) < 3 or not parts[1].startswith(b"/"):
+        return None
+    return parts[1].split(b"?", 1)[0].decode("latin-1")
 
 
 class _GuardedServer(web.Server):

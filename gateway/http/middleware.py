@@ -9,18 +9,19 @@ running when ``server.shutdown_timeout_s`` runs out: streams get an SSE error ev
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 
 from aiohttp import web
 
-from gateway.errors import GATEWAY_CUT, GatewayError, error_body, error_format, error_response
+from gateway.errors import GATEWAY_CUT, GatewayError, error_format, error_response
+from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.state import STATE
 from gateway.ops.route_metrics import UNMATCHED
 from gateway.proxy.forward import STREAM_STARTED
-from gateway.proxy.sse import SSE_DONE
+from gateway.proxy.sse import error_event
+from gateway.request.types import ApiKind
 
 __all__ = [
     "IN_FLIGHT",
@@ -147,12 +148,18 @@ async def _end_cut(request: web.Request, reason: str) -> web.StreamResponse:
     blank line, which ends an event the upstream may have left half-written and is
     ignored by SSE parsers otherwise); a request that had not started answering gets 503.
     """
-    event = error_body(reason, "server_error", "gateway_shutting_down")
     response = request.get(_PREPARED)
     if response is None or not response.prepared:
-        return error_response(503, reason, "server_error", "gateway_shutting_down")
+        return error_response(
+            503, reason, "server_error", "gateway_shutting_down", fmt=error_format(request.path)
+        )
+    inference = request.get(INFERENCE_REQUEST)  # the stream's own error event (Anthropic, Responses …)
+    api = inference.api if inference is not None else ApiKind.CHAT
+    event = error_event(
+        reason, mid_event=True, api=api, code="gateway_shutting_down", error_type="server_error"
+    )
     try:
-        await response.write(b"\n\ndata: " + json.dumps(event).encode() + b"\n\n" + SSE_DONE)
+        await response.write(event)
         await response.write_eof()
     except (ConnectionResetError, RuntimeError):
         pass  # the client left meanwhile, or the body was already complete

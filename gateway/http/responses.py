@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +26,7 @@ from gateway.errors import Conflict, NotFound
 from gateway.fleet.endpoint import Endpoint, Role
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.state import STATE, GatewayState
+from gateway.proxy.sse import error_event
 from gateway.request.parse import CHAIN_SOURCE, default_session_sources, session_key
 from gateway.request.types import ApiKind, InferenceRequest
 from gateway.sessions.responses import ResponseRecord
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("responses_session", aiohttp.ClientSession)
 _PROBE_TIMEOUT_S = 2.0
+# What a response id may be (vLLM: resp_<hex>): a path segment of its own, never "." or "..".
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}")
 
 
 def _usable(endpoint: Endpoint) -> bool:
@@ -56,7 +61,7 @@ async def _probe(state: GatewayState, response_id: str, request_id: str) -> Resp
     async def has(endpoint: Endpoint) -> bool:
         try:
             async with session.get(
-                f"{endpoint.base_url}/v1/responses/{response_id}",
+                f"{endpoint.base_url}/v1/responses/{quote(response_id, safe='')}",
                 headers=_headers(endpoint, request_id),
                 timeout=aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S),
             ) as answer:
@@ -76,9 +81,12 @@ async def _probe(state: GatewayState, response_id: str, request_id: str) -> Resp
 async def _record(
     state: GatewayState, response_id: str, request_id: str, param: str | None
 ) -> ResponseRecord:
-    record = await state.sessions.responses.get(response_id)
-    result = "hit"
-    if record is None:
+    if not _RESPONSE_ID.fullmatch(response_id):  # never probed: "../../metrics" walked the replica
+        record, result = None, "not_found"
+    else:
+        record = await state.sessions.responses.get(response_id)
+        result = "hit"
+    if record is None and result == "hit":
         record = await _probe(state, response_id, request_id)
         result = "probed"
     if record is None:
@@ -146,7 +154,11 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
     body = await http_request.read() if http_request.can_read_body else None
     if body is not None:
         headers["content-type"] = http_request.headers.get("content-type", "application/json")
-    url = endpoint.base_url + http_request.rel_url.path_qs
+    # the route's own path with the (validated, quoted) id, never the client's decoded path
+    suffix = http_request.match_info.route.resource.canonical.rsplit("}", 1)[1]  # "", /cancel …
+    url = f"{endpoint.base_url}/v1/responses/{quote(response_id, safe='')}{suffix}"
+    if http_request.rel_url.query_string:
+        url += "?" + http_request.rel_url.raw_query_string
     timeouts = state.config.timeouts
     try:
         async with session.request(
@@ -165,8 +177,13 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
                 return web.Response(status=answer.status, body=await answer.read(), headers=out)
             response = web.StreamResponse(status=answer.status, headers={**out, "content-type": content_type})
             await response.prepare(http_request)
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
+            try:
+                async for chunk in answer.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:  # committed: end it in-band
+                log.info("request %s: %s broke mid-stream: %s", request_id, endpoint.name, exc)
+                message = f"replica {endpoint.name} broke the stream: {exc}"
+                await response.write(error_event(message, mid_event=True, api=ApiKind.RESPONSES))
             await response.write_eof()
             return response
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -181,7 +198,9 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    session = aiohttp.ClientSession(auto_decompress=False)
+    # Bodies pass through as the replica sent them, so ask for them uncompressed: a replica
+    # behind a compressing proxy otherwise answered gzip that reached the client undeclared.
+    session = aiohttp.ClientSession(auto_decompress=False, headers={"accept-encoding": "identity"})
     app[_SESSION] = session
     app[STATE].side_client = session
     yield

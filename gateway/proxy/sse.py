@@ -98,7 +98,14 @@ class SSEEventBuffer:
         return tail
 
 
-def error_event(message: str, *, mid_event: bool, api: ApiKind = ApiKind.CHAT) -> bytes:
+def error_event(
+    message: str,
+    *,
+    mid_event: bool,
+    api: ApiKind = ApiKind.CHAT,
+    code: str = "upstream_stream_error",
+    error_type: str = "upstream_error",
+) -> bytes:
     """An in-band SSE error; first ends an event the upstream left half-written, so the client's
     parser sees a broken event and then a well-formed error, not one glued line.
 
@@ -111,9 +118,9 @@ def error_event(message: str, *, mid_event: bool, api: ApiKind = ApiKind.CHAT) -
         payload = {"type": "error", "error": {"type": "api_error", "message": message}}
         return prefix + b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
     if api is ApiKind.RESPONSES:
-        payload = {"type": "error", "code": "upstream_stream_error", "message": message, "param": None}
+        payload = {"type": "error", "code": code, "message": message, "param": None}
         return prefix + b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
-    event = error_body(message, "upstream_error", "upstream_stream_error")
+    event = error_body(message, error_type, code)
     return prefix + b"data: " + json.dumps(event).encode() + b"\n\n" + SSE_DONE
 
 
@@ -136,7 +143,9 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
         opening, limit = _only_role, _MAX_HELD_BYTES
     elif (typed := _TYPED_OPENING.get(request.api)) is not None:
         opening, limit = typed, _MAX_HELD_TYPED_BYTES
-        if not chunk or not opening(chunk):
+        if not chunk:  # a 200 stream with no event at all: broken, retried like any other
+            raise ConnectionLost("the stream ended before its first event", before_response=False)
+        if not opening(chunk):
             return chunk
     else:
         return chunk
@@ -144,7 +153,10 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
     while len(held) < limit:
         more = await upstream.readany()
         if not more:
-            if request.api is not ApiKind.CHAT:
+            # Opening events (or keep-alive comments) and then the end: broken. A whole answer
+            # that is no event stream at all (a JSON body) is passed on as chat's is, never
+            # re-sent to every replica.
+            if request.api is not ApiKind.CHAT and _has_event(bytes(held)):
                 raise ConnectionLost(
                     "the stream ended after its opening events, before any content", before_response=False
                 )
@@ -178,7 +190,10 @@ def _typed_opening(kinds: dict[str, tuple[str, frozenset[str]] | None]) -> Calla
         """True while every complete event so far only opens the stream (nothing to show yet)."""
         *events, _incomplete_tail = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
         for event in events:
-            data = b"".join(line[5:] for line in event.strip().splitlines() if line.startswith(b"data:"))
+            lines = event.strip().splitlines()
+            if all(line.startswith(b":") for line in lines):
+                continue  # a comment (keep-alive): shows nothing, starts nothing
+            data = b"".join(line[5:] for line in lines if line.startswith(b"data:"))
             try:
                 payload = json.loads(data)
             except ValueError:
@@ -197,6 +212,11 @@ def _typed_opening(kinds: dict[str, tuple[str, frozenset[str]] | None]) -> Calla
 
 
 _TYPED_OPENING = {api: _typed_opening(kinds) for api, kinds in _OPENING_EVENTS.items()}
+
+
+def _has_event(buffer: bytes) -> bool:
+    """Whether ``buffer`` holds a complete SSE event (an event stream, not some other body)."""
+    return b"\n\n" in buffer.replace(b"\r\n", b"\n")
 
 
 def _only_role(buffer: bytes) -> bool:
