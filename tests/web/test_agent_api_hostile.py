@@ -169,10 +169,20 @@ async def test_an_oversized_session_header_on_messages_is_an_anthropic_error(sta
 # ---- tenants' token budgets count a Responses request's output bound ----------------------------
 
 
-async def test_responses_max_output_tokens_is_charged_like_max_tokens(
-    start_upstream, start_gateway, http, tmp_path
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 800},
+        ),
+        ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 800}),  # was charged 256
+    ],
+)
+async def test_the_output_bound_is_charged_up_front(
+    path, body, start_upstream, start_gateway, http, tmp_path
 ):
-    upstream = await start_upstream()  # answers /v1/responses with a JSON that reports no usage
+    upstream = await start_upstream()  # its answers report no usage: what was booked stays
     keys = tmp_path / "keys.yaml"
     digest = hashlib.sha256(b"sk-t").hexdigest()
     keys.write_text(
@@ -180,10 +190,7 @@ async def test_responses_max_output_tokens_is_charged_like_max_tokens(
         f"keys:\n  - name: a\n    sha256: {digest}\n    tenant: t\n"
     )
     gw = await start_gateway([upstream.url], auth={"enabled": True, "keys_file": str(keys)})
-    headers = {"authorization": "Bearer sk-t"}
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 800}
-    async with http.post(gw.url + "/v1/responses", json=body, headers=headers) as r:
+    async with http.post(gw.url + path, json=body, headers={"authorization": "Bearer sk-t"}) as r:
         assert r.status == 200
         remaining = int(r.headers["x-ratelimit-remaining-tokens"])
-    # prompt + 800 output tokens booked, as chat's max_tokens is: at most 199 of 1000 left
-    assert remaining < 200, f"{remaining} tokens left: max_output_tokens was not charged"
+    assert remaining < 200, f"{remaining} tokens left: the 800 output tokens were not booked"
