@@ -17,6 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -61,6 +62,30 @@ def client(live: LiveGateway) -> Iterator[httpx.Client]:
         yield c
 
 
+def _valid_after_all(case: schemathesis.Case) -> bool:
+    """A "negative" case whose only negated part, the body, is valid by the document after all.
+
+    The generator sometimes misses: a 309-digit integer just inside the double range was
+    drawn as out of range for a field whose schema caps numbers at the largest double, and
+    the gateway rightly served it. Checked with jsonschema against the served document."""
+    meta = case.meta
+    if meta is None or not meta.is_negative_at(ParameterLocation.BODY):
+        return False
+    if any(
+        info.mode.is_negative
+        for where, info in meta.components.items()
+        if where is not ParameterLocation.BODY
+    ):
+        return False
+    document = openapi_document()
+    content = document["paths"][case.path][case.method.lower()].get("requestBody", {}).get("content", {})
+    schema = content.get(case.media_type or "application/json", {}).get("schema")
+    if schema is None:
+        return False
+    validator = jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+    return validator.is_valid(case.body)
+
+
 def assert_still_serves(client: httpx.Client) -> None:
     resp = client.post("/v1/chat/completions", json=VALID["/v1/chat/completions"])
     assert resp.status_code == 200, resp.text[:500]
@@ -97,7 +122,7 @@ def test_generated_requests_conform(live, client, schema, mode):
         response = case.call(base_url=live.url, timeout=10)
         statuses[(case.operation.label, response.status_code)] += 1
         case.validate_response(response, checks=CHECKS)
-        if case.method == "POST" and mode is GenerationMode.NEGATIVE:
+        if case.method == "POST" and mode is GenerationMode.NEGATIVE and not _valid_after_all(case):
             assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
 
     run()
