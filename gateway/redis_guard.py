@@ -7,7 +7,9 @@ Redis is an optimisation shared by gateway instances, never a dependency of a re
   while it is down), then tried again — redis-py reconnects on its own;
 - the outage is logged once when it starts and once when it ends, and every fallback is
   counted by reason;
-- writes run in the background, bounded in number, off the request's critical path.
+- writes run in the background, bounded in number, off the request's critical path;
+- a data error on one key (``WRONGTYPE``: a string where a hash belongs) fails that call
+  alone: Redis is up, and one corrupt key must not send every other key to the local copy.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 
 __all__ = ["RedisGuard"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_DATA_ERROR_LOG_INTERVAL_S = 10.0
 
 
 class RedisGuard:
@@ -45,6 +48,7 @@ class RedisGuard:
         self._skip_until = 0.0
         self._down = False
         self._pending: set[asyncio.Task[None]] = set()
+        self._data_error_logged_at = -_DATA_ERROR_LOG_INTERVAL_S
 
     def available(self) -> bool:
         return time.monotonic() >= self._skip_until
@@ -76,6 +80,16 @@ class RedisGuard:
                 result = await operation
         except TimeoutError as exc:
             self.failed("timeout", exc)
+            return None
+        except ResponseError as exc:
+            if isinstance(exc, ReadOnlyError):  # a replica promoted away from us: an outage
+                self.failed("error", exc)
+                return None
+            self._on_fallback("data_error")
+            now = time.monotonic()
+            if now - self._data_error_logged_at >= _DATA_ERROR_LOG_INTERVAL_S:
+                self._data_error_logged_at = now
+                log.warning("%s: Redis refused one call (%s); that call uses the local copy", self._what, exc)
             return None
         except (RedisError, OSError) as exc:
             self.failed("error", exc)

@@ -99,7 +99,7 @@ def load_keys_file(path: str | Path) -> dict[str, Tenant]:
         loaded = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise KeyFileError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: half a UTF-8 character
         raise KeyFileError(f"keys file {path} is not valid YAML: {exc}") from None
     if not isinstance(loaded, dict):
         raise KeyFileError(f"keys file {path}: top level must be a mapping with `tenants` and `keys`")

@@ -45,8 +45,10 @@ class KeyStore(Protocol):
 
 
 def hash_key(raw: str) -> str:
-    """The form a key is stored in: lower-case hex sha256 of its UTF-8 bytes."""
-    return hashlib.sha256(raw.encode()).hexdigest()
+    """The form a key is stored in: lower-case hex sha256 of its UTF-8 bytes (a header's bytes
+    that are no UTF-8 arrive as surrogate escapes: hashed as those bytes, so never a match
+    and never an encoding error)."""
+    return hashlib.sha256(raw.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def key_fingerprint(raw: str) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import ResponseError
 
 from gateway.auth.keys import KeyStoreUnavailable, hash_key
 from gateway.auth.tenant import Tenant, TenantSpec
@@ -66,7 +67,8 @@ async def remove_key(redis: aioredis.Redis, prefix: str, raw_key: str) -> bool:
 
 
 def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
+    """A record's field as text; bytes that are no UTF-8 make the record invalid (ValueError)."""
+    return value.decode() if isinstance(value, bytes) else value  # UnicodeDecodeError is a ValueError
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +138,12 @@ class RedisKeyStore:
         return fetched
 
     async def _fetch(self, digest: str) -> _Fetched:
-        fields = {
-            _text(k): _text(v)
-            for k, v in (await self._client.hgetall(apikey_key(self._prefix, digest))).items()
-        }
+        try:
+            raw = await self._client.hgetall(apikey_key(self._prefix, digest))
+            fields = {_text(k): _text(v) for k, v in raw.items()}
+        except (ResponseError, ValueError) as exc:  # WRONGTYPE, bytes that are no UTF-8: not a record
+            log.error("API key %s…: its record in Redis is invalid (%s); key refused", digest[:8], exc)
+            return _Fetched(None)
         tenant_name = fields.get("tenant")
         if not tenant_name:
             return _Fetched(None)

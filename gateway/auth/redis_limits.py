@@ -42,6 +42,9 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local rcap, tcap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rcost, tcost = tonumber(ARGV[3]), tonumber(ARGV[4])
+local kind = redis.call('TYPE', KEYS[1])
+if type(kind) == 'table' then kind = kind['ok'] end
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]) end  -- not ours: start full
 local state = redis.call('HMGET', KEYS[1], 'r', 't', 'ts')
 local r = tonumber(state[1]) or rcap
 local t = tonumber(state[2]) or tcap

@@ -48,6 +48,9 @@ class Tenant:
         return self.requests_per_minute > 0 or self.tokens_per_minute > 0
 
 
+_MAX_LIMIT = 10**12  # per minute; a larger limit (10**400 loaded, then overflowed a float per request)
+
+
 class TenantSpec(BaseModel):
     """A tenant as written in the keys file or stored in Redis (its name is the mapping key)."""
 
@@ -55,8 +58,8 @@ class TenantSpec(BaseModel):
 
     priority: Priority = "standard"
     models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
-    requests_per_minute: int = Field(0, ge=0, description="0 = unlimited")
-    tokens_per_minute: int = Field(0, ge=0, description="0 = unlimited")
+    requests_per_minute: int = Field(0, ge=0, le=_MAX_LIMIT, description="0 = unlimited")
+    tokens_per_minute: int = Field(0, ge=0, le=_MAX_LIMIT, description="0 = unlimited")
     debug: bool = False
     slo_ttft_ms: float | None = Field(
         None, gt=0, le=3_600_000, description="TTFT objective of its requests without x-slo-* headers"
@@ -76,6 +79,7 @@ class TenantSpec(BaseModel):
     @field_validator("requests_per_minute", "tokens_per_minute", mode="before")
     @classmethod
     def _null_limit(cls, value: Any) -> Any:
+        refuse_boolean(value)  # `requests_per_minute: yes` is a mistake, not 1 a minute
         return 0 if value is None else value
 
     def to_tenant(self, name: str, key_name: str = "") -> Tenant:

@@ -9,11 +9,12 @@ in :func:`gateway.scheduling.build.build_scheduler`, which is also run at start-
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from gateway.config.base import ConfigError
 from gateway.config.base import Strict as _Strict
@@ -261,6 +262,17 @@ class AuthConfig(_Strict):
     )
     redis_budget_s: float = Field(0.02, gt=0, description="longest a limit check may wait for Redis")
     admin_key_sha256: str | None = Field(None, description="enables /admin/*; hex sha256 of the admin key")
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _admin_digest(cls, value: str | None) -> str | None:
+        """A raw key or a digest with a trailing newline loaded and then refused every admin call."""
+        if value is None:
+            return None
+        value = value.strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", value):  # never echo it: it may be the key itself
+            raise ValueError("must be the hex sha256 of the admin key (64 hex digits), not the key itself")
+        return value
 
     @model_validator(mode="after")
     def _source(self) -> AuthConfig:

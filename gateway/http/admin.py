@@ -12,7 +12,6 @@ discovery cannot be removed here (their source would add them back); drain them.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import time
@@ -21,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from gateway.auth.keys import hash_key
 from gateway.config import ConfigError, EndpointConfig, format_validation_error
 from gateway.errors import BadRequest, Conflict, NotFound, Unauthorized
 from gateway.fleet.endpoint import Endpoint, public_url
@@ -83,8 +83,7 @@ def require_admin_key(state: GatewayState, request: web.Request) -> None:
     authorization = request.headers.get("authorization", "")
     if authorization[:7].lower() == "bearer ":
         given = authorization[7:].strip()
-    digest = hashlib.sha256(given.encode()).hexdigest()
-    if not given or not hmac.compare_digest(digest, expected.lower()):
+    if not given or not hmac.compare_digest(hash_key(given), expected.lower()):
         state.metrics.auth_failures.labels("admin_key").inc()
         raise Unauthorized("a valid admin key is required", code="invalid_admin_key")
 

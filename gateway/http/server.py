@@ -209,14 +209,17 @@ def _reload_keys(state: GatewayState) -> None:
     try:
         state.auth.reconfigure(state.config.auth)
         log.warning("SIGHUP: API keys reloaded")
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         log.error("SIGHUP: keys file rejected, the previous keys stay: %s", exc)
 
 
 async def _watch_keys(state: GatewayState, interval_s: float = 2.0) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        state.auth.reload_keys_if_changed()
+        try:
+            state.auth.reload_keys_if_changed()
+        except Exception:  # whatever a file half-written gives: the watch goes on, the old keys stay
+            log.exception("keys file reload failed; the previous keys stay")
 
 
 def _worker_main(

@@ -125,7 +125,10 @@ class RedisSessionStore(MirroredStore[MemorySessionStore]):
             # Redis down, or it does not know a pin this instance just made (its SET may
             # still be in flight) or made while Redis was down: the local pin is still true.
             return self.local.get_now(session_id)
-        return value.decode()
+        try:
+            return value.decode()
+        except UnicodeDecodeError:  # not a pin this gateway wrote: the local one, as when Redis is down
+            return self.local.get_now(session_id)
 
     def pin(self, session_id: str, endpoint: str) -> None:
         self.local.pin(session_id, endpoint)

@@ -33,7 +33,10 @@ def _pong(port: int, timeout_s: float) -> bool:
 class RedisServer:
     """``RedisServer(port=None, log_dir=None)``; ``proc`` is the running ``redis-server``."""
 
-    def __init__(self, port: int | None = None, log_dir: Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, log_dir: Path | None = None, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        self.extra_args = extra_args  # e.g. ("--enable-debug-command", "yes") for DEBUG SLEEP
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log_dir = log_dir
@@ -48,7 +51,7 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not on PATH")
         argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
+                "--appendonly", "no", "--protected-mode", "no", *self.extra_args]  # fmt: skip
         if self.log_dir is None:
             self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return self.proc
