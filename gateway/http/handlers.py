@@ -63,15 +63,15 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
             )
             decision, charged = await auth.limit(tenant, request)
             limit_headers = decision.headers()
-        aliases = state.aliases
-        stored: Endpoint | None = None
-        if aliases and aliases.is_alias(request.model):  # a Responses chain keeps its replica's target
-            stored = await stored_replica(state, request)
-        serves = stored.serves if stored is not None else None
-        if aliases and (target := aliases.resolve(request, serves)) is not None:
-            limit_headers["x-gateway-model"] = target  # keys allow the alias; the engine sees its target
         failed = True
-        try:
+        try:  # from here every way out settles the charge (a chain's 404/409 too: refunded)
+            aliases = state.aliases
+            stored: Endpoint | None = None
+            if aliases and aliases.is_alias(request.model):  # a chain keeps its replica's target
+                stored = await stored_replica(state, request)
+            serves = stored.serves if stored is not None else None
+            if aliases and (target := aliases.resolve(request, serves)) is not None:
+                limit_headers["x-gateway-model"] = target  # keys allow the alias; the engine sees its target
             response = await _route(state, http_request, request, limit_headers, stored)
             failed = response.status >= 400
             return response

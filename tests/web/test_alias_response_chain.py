@@ -73,3 +73,26 @@ async def test_an_unknown_previous_response_under_an_alias_is_a_clear_404(fleet,
         await client.responses.create(model="chat", input="x", previous_response_id="resp_nowhere")
     assert caught.value.code == "response_not_found"
     assert all(not s.engine.finished.get("length") for s in sims)  # no replica was asked to generate
+
+
+async def test_a_refused_chain_under_an_alias_refunds_its_tokens(start_sim, start_gateway, http, tmp_path):
+    """The chain's replica is looked up after the tenant's tokens are booked: its 404 must give
+    them back (the lookup ran outside the settling ``try``, so they stayed booked)."""
+    import hashlib
+
+    sim = await start_sim(model="v1")
+    keys = tmp_path / "keys.yaml"
+    digest = hashlib.sha256(b"sk-t").hexdigest()
+    keys.write_text(
+        f"tenants:\n  t: {{tokens_per_minute: 5000}}\nkeys:\n  - sha256: {digest}\n    tenant: t\n"
+    )
+    gw = await start_gateway([sim.url], models={"chat": "v1"}, auth={"enabled": True, "keys_file": str(keys)})
+    headers = {"authorization": "Bearer sk-t"}
+    body = {"model": "chat", "input": "x", "max_output_tokens": 1000, "previous_response_id": "resp_nowhere"}
+    for _ in range(8):  # each books ~1000 tokens of the 5000; refunded, none runs the budget down
+        async with http.post(gw.url + "/v1/responses", json=body, headers=headers) as resp:
+            assert resp.status == 404, await resp.text()
+        await asyncio.sleep(0.05)  # the refund is settled just after the answer
+    async with http.post(gw.url + "/v1/responses", json={**body, "previous_response_id": None},
+                         headers=headers) as resp:  # fmt: skip
+        assert resp.status == 200, await resp.text()
