@@ -6,11 +6,21 @@ name the in-tree plugins of :mod:`policies`.
 
 from __future__ import annotations
 
+import logging
+
 from gateway.config import ConfigError, GatewayConfig, PluginSpec, ProfilePluginRef, ProfileSpec
 
 __all__ = ["DEFAULT_POLICY", "PRESETS", "pd_preset", "preset", "scheduler_specs"]
 
-_BASE_FILTERS = (PluginSpec(type="healthy"), PluginSpec(type="model"))
+log = logging.getLogger(__name__)
+
+# A plain preset never sends a client's request to a prefill replica: with an explicit policy
+# (no P/D profiles) those take prefill legs only, and there are none.
+_BASE_FILTERS = (
+    PluginSpec(type="healthy"),
+    PluginSpec(type="model"),
+    PluginSpec(type="role", name="serving", parameters={"roles": ["decode", "both"]}),
+)
 _TIE_BREAK = PluginSpec(type="max-score", parameters={"tolerance": 0.02})
 
 
@@ -117,6 +127,13 @@ def scheduler_specs(config: GatewayConfig) -> tuple[list[PluginSpec], list[Profi
     prefill pool, else the named (or default) preset."""
     if config.plugins:
         return list(config.plugins), list(config.profiles)
-    if any(e.role == "prefill" for e in config.endpoints) and config.policy is None:
+    has_prefill = any(e.role == "prefill" for e in config.endpoints)
+    if has_prefill and config.policy is None:
         return pd_preset(config)
+    if has_prefill:
+        log.warning(
+            "policy %r with prefill endpoints: no prefill/decode disaggregation (that is the default"
+            " policy's), the prefill replicas get no requests",
+            config.policy,
+        )
     return preset(config.policy or DEFAULT_POLICY)

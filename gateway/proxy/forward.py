@@ -59,6 +59,8 @@ STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
 # Retry reasons that say nothing against the endpoint tried: its prefill partner failed,
 # or it was already ejected while the request waited.
 _NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected"})
+_ERROR_BODY_WAIT_S = 2.0  # a 5xx's body, kept to pass on if no retry succeeds: at most this long
+_ERROR_BODY_MAX = 65536  # and this large
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +143,9 @@ class Proxy:
                 )
             leg = None
             if prefill is not None:  # a fresh prefill for every decode attempt
-                leg = await self._pd.prepare(
-                    request, [s.endpoint for s in prefill], settings.limits.retries, hooks.prefill
-                )
+                prefill_endpoints = [s.endpoint for s in prefill]
+                retries, deadline = settings.limits.retries, attempt.deadline
+                leg = await self._pd.prepare(request, prefill_endpoints, retries, hooks.prefill, deadline)
             try:
                 body = leg.decode_body if leg is not None else request.raw_body
                 return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
@@ -277,20 +279,21 @@ class Proxy:
             raise _Retryable("disconnected") from exc
 
     async def _server_error(
-        self,
-        endpoint: Endpoint,
-        upstream: UpstreamResponse,
-        headers: dict[str, str],
-        attempt: _Attempt,
+        self, endpoint: Endpoint, upstream: UpstreamResponse, headers: dict[str, str], attempt: _Attempt
     ) -> _Retryable:
-        """A 5xx before the first byte: retryable; keep its body to pass on if no retry succeeds."""
+        """A 5xx before the first byte: retryable; its body is kept to pass on if no retry
+        succeeds, read briefly and capped (a trickled one held the retry for first_byte_s)."""
         reason = f"http_{upstream.status}"
         self._metrics.upstream_errors.labels(endpoint.name, reason).inc()
+        body = b""
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)):
-                body = await upstream.read()
+            async with asyncio.timeout_at(self._wait_limit(attempt, _ERROR_BODY_WAIT_S)):
+                while len(body) <= _ERROR_BODY_MAX and (chunk := await upstream.readany()):
+                    body += chunk
         except (TimeoutError, ConnectionLost):
             return _Retryable(reason)  # its body stalled or broke: nothing worth passing on
+        if len(body) > _ERROR_BODY_MAX:
+            return _Retryable(reason)
         headers["content-type"] = upstream.content_type
         return _Retryable(reason, web.Response(status=upstream.status, body=body, headers=headers))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -69,6 +70,7 @@ class PDState:
 
     leg: PDLeg | None = None  # the leg of the current decode attempt
     failed_prefill: set[Endpoint] = field(default_factory=set)  # prefill endpoints that failed it
+    deadline: float = math.inf  # loop time by which the whole request must end: bounds every leg
 
 
 class PDCoordinator:
@@ -83,14 +85,17 @@ class PDCoordinator:
         prefill_ranked: Sequence[Endpoint],
         retries: int,
         hooks: RequestHooks,
+        deadline: float = math.inf,
     ) -> PDLeg | None:
         """Run (vLLM) or start (SGLang) the prefill leg; None means decode-only (fallback).
 
-        The leg becomes ``request.context.pd.leg`` (None when decode-only)."""
+        The leg becomes ``request.context.pd.leg`` (None when decode-only). No leg outlives
+        ``deadline`` (the request's own, in loop time), whatever ``pd.prefill_timeout_s`` says."""
         state = request.context.pd
         if state is None:
             state = request.context.pd = PDState()
         state.leg = None
+        state.deadline = deadline
         untried = [e for e in prefill_ranked if e not in state.failed_prefill]
         for endpoint in untried[: 1 + retries]:
             if self._config.protocol == "sglang":
@@ -145,7 +150,9 @@ class PDCoordinator:
         response = None
         ok = False
         try:
-            async with asyncio.timeout(self._config.prefill_timeout_s):
+            loop = asyncio.get_running_loop()
+            deadline = request.context.pd.deadline if request.context.pd is not None else math.inf
+            async with asyncio.timeout_at(min(loop.time() + self._config.prefill_timeout_s, deadline)):
                 response = await self._client.post(
                     endpoint.url, request.api.upstream_path, body, _headers(request, endpoint)
                 )

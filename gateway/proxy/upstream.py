@@ -60,6 +60,8 @@ class _Connection(asyncio.Protocol):
         self._header_name = b""
         self._paused = False
         self._complete = False
+        self._interim = False  # a 1xx (100 Continue, 103 Early Hints) precedes the final response
+        self._received = 0  # bytes of the current request's answer so far
         self._keep_alive = False
         self._until_close = False  # the response's body is delimited by the connection's close
         self.closed = False
@@ -72,6 +74,7 @@ class _Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self._received += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - we never ask for upgrades
@@ -96,9 +99,17 @@ class _Connection(asyncio.Protocol):
             self._complete = True
             self._response._finish()
             return
-        self._fail(f"upstream closed the connection{f': {exc}' if exc else ''}")
+        self._fail(f"upstream closed the connection{f': {exc}' if exc else ''}", silent=self._received == 0)
 
     # -- httptools callbacks ----------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._response is None or self._complete:
+            # Bytes nobody asked for (on an idle connection, or after the answer's end: a body
+            # longer than its Content-Length, a second response). Parsed on, they would become
+            # the headers and body of the answer being read: a desync. The connection is done.
+            self._fail("unsolicited bytes from the upstream")
+            raise httptools.HttpParserError("unsolicited response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         response = self._response
         if response is not None:
@@ -108,7 +119,12 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is None:
             return
-        response.status = status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim: the final response follows
+            self._interim = True
+            response.headers.clear()
+            return
+        response.status = status
         self._keep_alive = self._parser.should_keep_alive()
         headers = response.headers
         self._until_close = (
@@ -125,16 +141,19 @@ class _Connection(asyncio.Protocol):
             self._response._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the 1xx's own end; the final response is still to come
+            self._interim = False
+            return
         self._complete = True
         if self._response is not None:
             self._response._finish()
 
     # -- used by the pool and the response ----------------------------------------------
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, *, silent: bool = False) -> None:
         response = self._response
         headers_ready = self._headers_ready
         if headers_ready is not None and not headers_ready.done():
-            headers_ready.set_exception(ConnectionLost(message, before_response=True))
+            headers_ready.set_exception(ConnectionLost(message, before_response=True, silent=silent))
         elif response is not None and not response._done:
             response._finish(ConnectionLost(message, before_response=False))
         if self._transport is not None and not self.closed:
@@ -144,6 +163,8 @@ class _Connection(asyncio.Protocol):
         assert self._transport is not None
         self._complete = False  # one parser per connection: llhttp handles keep-alive sequences
         self._until_close = False
+        self._interim = False
+        self._received = 0
         response = self._response = UpstreamResponse(self)
         self._headers_ready = asyncio.get_running_loop().create_future()
         self._transport.write(request)
@@ -364,10 +385,10 @@ class UpstreamClient:
             try:
                 return await conn.send(request)
             except ConnectionLost as exc:
-                if not exc.before_response:
-                    raise
-                # The server closed this idle connection as we reused it: nothing was
-                # processed, so one fresh connection is the standard remedy.
+                if not exc.silent:
+                    raise  # it answered (garbage, half an answer): never re-sent here by itself
+                # The server closed this idle connection as we reused it: nothing came back,
+                # so one fresh connection is the standard remedy.
         conn = await pool.connect(self._connect_timeout_s)
         return await conn.send(request)
 

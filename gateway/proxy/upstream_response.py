@@ -26,9 +26,14 @@ class ConnectFailed(UpstreamClientError):
 
 
 class ConnectionLost(UpstreamClientError):
-    def __init__(self, message: str, *, before_response: bool) -> None:
+    """``before_response``: no response had begun. ``silent``: not a byte came back for the
+    request (a close or reset of a connection the server had dropped while idle): only then
+    may the client re-send it on a fresh connection to the same endpoint by itself."""
+
+    def __init__(self, message: str, *, before_response: bool, silent: bool = False) -> None:
         super().__init__(message)
         self.before_response = before_response
+        self.silent = silent
 
 
 class UpstreamResponse:
@@ -63,6 +68,8 @@ class UpstreamResponse:
 
     # -- fed by the protocol ----------------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        if self._done:  # never after its end (the connection is torn down instead)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
