@@ -173,8 +173,12 @@ def _pooling_prompt(api: ApiKind, body: dict[str, Any]) -> str:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
         return canonical_chat_prompt(messages)
-    field = "prompt" if api is ApiKind.TOKENIZE else "input"
-    return _texts(body.get(field), field)
+    if api is ApiKind.TOKENIZE:  # vLLM's /tokenize takes text only (a dict was passed on as "items")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("'prompt' is required and must be a non-empty string", param="prompt")
+        return prompt
+    return _texts(body.get("input"), "input")
 
 
 def api_prompt(api: ApiKind, body: dict[str, Any]) -> str:

@@ -58,6 +58,8 @@ async def test_tokenize_without_model_uses_the_only_one(gw, http):
         ("/v1/score", {"text_1": "x"}, "text_2"),
         ("/classify", {"input": 5}, "input"),
         ("/detokenize", {"tokens": "x"}, "tokens"),
+        ("/tokenize", {"prompt": {}}, "prompt"),  # was passed on as multimodal "items" (fuzzing)
+        ("/tokenize", {"prompt": ""}, "prompt"),
         ("/v1/responses", {"input": 5}, "input"),
         ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ],

@@ -184,8 +184,9 @@ def _audio_form(description: str) -> Schema:
 
 
 def _optional_model(schema: Schema) -> Schema:
-    """vLLM's tokenizer routes take no model: the gateway's only model then."""
-    return {**schema, "required": [r for r in schema["required"] if r != "model"]}
+    """vLLM's tokenizer routes take no model (or a null one): the gateway's only model then."""
+    properties = {**schema["properties"], "model": {"type": ["string", "null"], "minLength": 1}}
+    return {**schema, "properties": properties, "required": [r for r in schema["required"] if r != "model"]}
 
 
 def engine_components() -> dict[str, Any]:
