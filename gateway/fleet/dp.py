@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 
 from gateway.fleet.endpoint import Endpoint, EngineKind
-from gateway.fleet.scraper import parse_engine_metrics
+from gateway.fleet.scraper import parse_rank_metrics
 
 __all__ = [
     "RANK_HEADER",
@@ -130,7 +130,7 @@ def engine_ranks(text: str) -> list[int]:
             continue
         _, found, rest = line.partition(',engine="' if "{engine=" not in line else '{engine="')
         value = rest.partition('"')[0]
-        if found and value.isdigit() and int(value) < _MAX_RANKS:
+        if found and value.isascii() and value.isdigit() and int(value) < _MAX_RANKS:  # not "²"
             ranks.add(int(value))
     return sorted(ranks)
 
@@ -151,8 +151,9 @@ def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint
     before = replica.rank_targets
     dropped = set_ranks(replica, ranks)
     now = time.monotonic()
+    loads = parse_rank_metrics(text, replica.engine, [str(t.dp_rank) for t in replica.rank_targets])
     for target in replica.rank_targets:
-        load = parse_engine_metrics(text, replica.engine, rank=str(target.dp_rank))
+        load = loads[str(target.dp_rank)]
         m = target.metrics
         m.waiting, m.running, m.kv_usage = load.waiting, load.running, load.kv_usage
         m.lora = load.lora  # vllm:lora_requests_info has no engine label: the server's

@@ -73,7 +73,7 @@ def source_from(raw: Any, host: str, rank: int | None = None) -> KVEventSource |
     if isinstance(raw, dict) and isinstance(raw.get("sources", raw.get("data")), list):
         raw = raw.get("sources", raw.get("data"))
     offset = 0
-    if isinstance(raw, dict) and raw and all(isinstance(k, str) and k.isdigit() for k in raw):
+    if isinstance(raw, dict) and raw and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in raw):
         # vLLM 0.32: {"<dp rank>": KVEventsConfig, ...}
         raw = raw[min(raw, key=int)] if rank is None else raw.get(str(rank))
     elif isinstance(raw, list):
@@ -90,9 +90,11 @@ def source_from(raw: Any, host: str, rank: int | None = None) -> KVEventSource |
     if raw.get("publisher", "zmq") != "zmq":
         return None
     endpoint = raw.get("endpoint")
-    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-        return None
+    if not isinstance(endpoint, str) or not _tcp_address(endpoint):
+        return None  # only tcp://host:port (a port in 1..65535): anything else is garbage
     replay = raw.get("replay_endpoint")
+    if not isinstance(replay, str) or not _tcp_address(replay):
+        replay = None
     topic = raw.get("topic") or ""
     return KVEventSource(
         _offset(_on_host(endpoint, host) or endpoint, offset) or endpoint,
@@ -101,9 +103,14 @@ def source_from(raw: Any, host: str, rank: int | None = None) -> KVEventSource |
     )
 
 
+def _tcp_address(address: str) -> bool:
+    port = address.rpartition(":")[2]
+    return address.startswith("tcp://") and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+
+
 def _offset(address: str | None, by: int) -> str | None:
     head, _, port = (address or "").rpartition(":")
-    return f"{head}:{int(port) + by}" if by and port.isdigit() else address
+    return f"{head}:{int(port) + by}" if by and port.isascii() and port.isdigit() else address
 
 
 async def discover_source(
@@ -232,7 +239,15 @@ class _Stream:
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.source.endpoint)
+        try:
+            sub.connect(self.source.endpoint)
+        except zmq.ZMQError as exc:  # an address ZeroMQ refuses: no stream, and no socket left open
+            log.warning("kv events: %s cannot connect to %s: %s", self.name, self.source.endpoint, exc)
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+            return
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

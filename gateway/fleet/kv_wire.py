@@ -93,6 +93,11 @@ class KVEventSink(Protocol):
         ...
 
 
+# Tokens per KV block: engines use 16-256; past this a value is garbage (and would make the
+# request path build absurd structs).
+MAX_BLOCK_SIZE = 4096
+
+
 def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise DecodeError(f"sequence frame of {len(frame)} bytes, not 8")
@@ -109,8 +114,8 @@ def decode_ranked_batch(payload: bytes) -> tuple[float, list[KVEvent], list[str]
     """:func:`decode_batch` plus the batch's ``data_parallel_rank`` (None: absent or not an int)."""
     try:
         batch = _DECODER.decode(payload)
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise DecodeError(f"not msgpack: {exc}") from None
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # Recursion: a nesting bomb
+        raise DecodeError(f"not msgpack: {exc!r}"[:200]) from None
     if isinstance(batch, dict):
         ts, raw_events, rank = batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")
     elif isinstance(batch, list) and len(batch) >= 2:
@@ -159,8 +164,10 @@ def _event(raw: Any) -> KVEvent:
         _, f = _fields(raw, _STORED_FIELDS)
         hashes = _hashes(f.get("block_hashes"))
         tokens, size = f.get("token_ids"), f.get("block_size")
-        if not isinstance(size, int) or size <= 0:
-            raise DecodeError("BlockStored.block_size must be a positive integer")
+        if not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
+            raise DecodeError(f"BlockStored.block_size must be an integer in 1..{MAX_BLOCK_SIZE}")
+        if not hashes:
+            raise DecodeError("BlockStored without blocks")
         if not isinstance(tokens, list) or len(tokens) != size * len(hashes):
             raise DecodeError("BlockStored.token_ids must hold block_size tokens per block")
         if not all(isinstance(t, int) and t >= 0 for t in tokens):

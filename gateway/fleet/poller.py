@@ -183,9 +183,13 @@ class MetricsPoller:
         self._metrics.endpoint_running.labels(endpoint.name).set(load.running or 0)
         self._metrics.endpoint_kv_usage.labels(endpoint.name).set(load.kv_usage or 0)
         self._detect_restart(endpoint, load.restart_marker)
-        if self._on_scraped:
-            self._on_scraped(endpoint)
-        self._scraped_ranks(endpoint, text)
+        try:  # one endpoint's odd page is its scrape error, never the whole round's
+            if self._on_scraped:
+                self._on_scraped(endpoint)
+            self._scraped_ranks(endpoint, text)
+        except Exception:
+            self._metrics.scrape_errors.labels(endpoint.name).inc()
+            log.exception("scrape of %s: its load could not be applied", endpoint.name)
 
     def _scraped_ranks(self, endpoint: Endpoint, text: str) -> None:
         """Data parallel (fleet/dp.py): each rank's load and gauges; dropped ranks forgotten."""

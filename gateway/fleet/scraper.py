@@ -8,14 +8,17 @@ own parser (no hand-rolled exposition-format parsing).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet.endpoint import EngineKind
+from gateway.fleet.kv_wire import MAX_BLOCK_SIZE
 from gateway.fleet.lora import LORA_METRIC, LoraLoad, lora_load
 
-__all__ = ["ScrapedLoad", "parse_engine_metrics"]
+__all__ = ["ScrapedLoad", "parse_engine_metrics", "parse_rank_metrics"]
 
 
 @dataclass(slots=True)
@@ -63,11 +66,26 @@ def _wanted_lines(text: str, names: tuple[str, ...]) -> str:
     return "\n".join(kept) + "\n"
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
-    try:
-        return int(labels[key])
-    except (KeyError, ValueError):
+def _int_label(labels: dict[str, str], key: str, most: int) -> int | None:
+    """A positive integer label up to ``most``; anything else is "not reported"."""
+    value = labels.get(key, "")
+    if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= most:
         return None
+    return int(value)
+
+
+def _parsed(text: str, engine: EngineKind) -> tuple[list[Any] | None, list[tuple[str, Any]]]:
+    """The page parsed once: the LoRA family's samples, and (field, sample) of every other wanted one."""
+    families = _FAMILIES[engine]
+    lora: list[Any] | None = None
+    items: list[tuple[str, Any]] = []
+    for family in text_string_to_metric_families(_wanted_lines(text, tuple(families))):
+        field = families.get(family.name)
+        if field == "lora":  # read whole: the latest of its samples wins
+            lora = family.samples
+        elif field is not None:
+            items.extend((field, sample) for sample in family.samples)
+    return lora, items
 
 
 def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None) -> ScrapedLoad:
@@ -75,36 +93,50 @@ def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None)
 
     ``rank``: only the series of that data-parallel rank (``engine="<rank>"``; unlabelled ones
     are kept)."""
-    families = _FAMILIES[engine]
+    lora, items = _parsed(text, engine)
+    if rank is not None:
+        items = [(field, sample) for field, sample in items if sample.labels.get("engine", rank) == rank]
+    return _load(lora, items)
+
+
+def parse_rank_metrics(text: str, engine: EngineKind, ranks: Sequence[str]) -> dict[str, ScrapedLoad]:
+    """:func:`parse_engine_metrics` for every rank in one parse of the page (per rank it was a
+    parse each: 256 ranks on one page held the event loop for seconds)."""
+    lora, items = _parsed(text, engine)
+    shared: list[tuple[str, Any]] = []
+    by_rank: dict[str, list[tuple[str, Any]]] = {rank: [] for rank in ranks}
+    for field, sample in items:
+        rank = sample.labels.get("engine")
+        if rank is None:
+            shared.append((field, sample))
+        elif rank in by_rank:
+            by_rank[rank].append((field, sample))
+    return {rank: _load(lora, shared + own) for rank, own in by_rank.items()}
+
+
+def _load(lora: list[Any] | None, items: list[tuple[str, Any]]) -> ScrapedLoad:
     load = ScrapedLoad()
+    if lora is not None:
+        load.lora = lora_load(lora)
     sums: dict[str, float] = {}
     legacy_kv: float | None = None
-    for family in text_string_to_metric_families(_wanted_lines(text, tuple(families))):
-        field = families.get(family.name)
-        if field is None:
-            continue
-        if field == "lora":  # read whole: the latest of its samples wins
-            load.lora = lora_load(family.samples)
-            continue
-        for sample in family.samples:
-            if rank is not None and sample.labels.get("engine", rank) != rank:
-                continue
-            limit = _MAX_COUNTER if field == "restart_marker" else _MAX_GAUGE
-            if field != "cache_config" and not 0 <= sample.value <= limit:
-                continue  # NaN/Inf, negative or absurd: "not reported", never a load value
-            if field == "cache_config":
-                load.block_size = _int_label(sample.labels, "block_size")
-                load.num_blocks = _int_label(sample.labels, "num_gpu_blocks")
-            elif field == "kv_usage":
-                # Utilisation is a fraction: take the max over engines, not a sum.
-                sums[field] = max(sums.get(field, 0.0), sample.value)
-            elif field == "kv_usage_legacy":
-                legacy_kv = max(legacy_kv or 0.0, sample.value)
-            elif field == "restart_marker":
-                if sample.name.endswith("_total"):
-                    sums[field] = sums.get(field, 0.0) + sample.value
-            else:
+    for field, sample in items:
+        limit = _MAX_COUNTER if field == "restart_marker" else _MAX_GAUGE
+        if field != "cache_config" and not 0 <= sample.value <= limit:
+            continue  # NaN/Inf, negative or absurd: "not reported", never a load value
+        if field == "cache_config":
+            load.block_size = _int_label(sample.labels, "block_size", MAX_BLOCK_SIZE)
+            load.num_blocks = _int_label(sample.labels, "num_gpu_blocks", int(_MAX_GAUGE))
+        elif field == "kv_usage":
+            # Utilisation is a fraction: take the max over engines, not a sum.
+            sums[field] = max(sums.get(field, 0.0), sample.value)
+        elif field == "kv_usage_legacy":
+            legacy_kv = max(legacy_kv or 0.0, sample.value)
+        elif field == "restart_marker":
+            if sample.name.endswith("_total"):
                 sums[field] = sums.get(field, 0.0) + sample.value
+        else:
+            sums[field] = sums.get(field, 0.0) + sample.value
     load.waiting = sums.get("waiting")
     load.running = sums.get("running")
     load.kv_usage = sums.get("kv_usage", legacy_kv)

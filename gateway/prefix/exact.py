@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -77,7 +78,9 @@ class _Blocks:
 
     def __init__(self, capacity: int) -> None:
         self.keys: dict[int, int] = {}  # gateway key → how many engine blocks have it
-        self.by_engine: dict[Hashable, int] = {}  # engine hash → gateway key, oldest stored first
+        # engine hash → gateway key, oldest stored first; ordered so that evicting the oldest at
+        # the capacity bound is O(1) (a plain dict's list() of it was O(capacity) per stored block)
+        self.by_engine: OrderedDict[Hashable, int] = OrderedDict()
         self.block_size = 0
         self.loras: set[str] = set()
         self.capacity = capacity
@@ -171,10 +174,8 @@ class ExactIndex:
         except (struct.error, TypeError, ValueError):
             self._metrics.decode_errors.labels(endpoint).inc()
             return
-        overflow = len(blocks.by_engine) - blocks.capacity
-        if overflow > 0:
-            for engine_hash in list(blocks.by_engine)[:overflow]:
-                blocks.drop(engine_hash)
+        for _ in range(len(blocks.by_engine) - blocks.capacity):
+            blocks.drop(next(iter(blocks.by_engine)))
 
     def clear(self, endpoint: str, reason: str) -> None:
         blocks = self._endpoints.get(endpoint)

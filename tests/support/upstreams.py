@@ -102,14 +102,20 @@ class Upstream:
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle -------------------------------------------------------------
-    async def start(self) -> None:
-        app = web.Application()
+    own_paths: tuple[str, ...] = ()  # POST paths a subclass answers itself (_add_routes)
+
+    def _add_routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         openai_paths = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
         for path in (*openai_paths, *ENGINE_PATHS, *AUDIO_PATHS):
-            app.router.add_post(path, self._inference)
+            if path not in self.own_paths:
+                app.router.add_post(path, self._inference)
+
+    async def start(self) -> None:
+        app = web.Application()
+        self._add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

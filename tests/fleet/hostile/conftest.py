@@ -1,0 +1,1 @@
+from tests.prefix.conftest import start_sims  # noqa: F401  (re-exported fixture)
