@@ -34,6 +34,7 @@ dot product. Nothing here blocks or does I/O.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -82,20 +83,26 @@ class OnlineLinearModel:
     def __init__(self, scale: Sequence[float], *, horizon: int = 500, ridge: float = 1.0) -> None:
         self.dim = len(scale)
         self._scale = tuple(scale)
+        self._horizon = horizon
         self._decay = 1.0 - 1.0 / horizon
         self._ridge = ridge
-        self._xtx = [[0.0] * self.dim for _ in range(self.dim)]
+        # XᵀX is symmetric: its upper triangle, row by row, one flat list (an update is one pass)
+        self._pairs = tuple((i, j) for i in range(self.dim) for j in range(i, self.dim))
+        self._xtx = [0.0] * len(self._pairs)
         self._xty = [0.0] * self.dim
         self._abs_residual = 0.0
         self.samples = 0
         self.theta: tuple[float, ...] = (0.0,) * self.dim
 
     def predict(self, x: Sequence[float]) -> float:
-        return max(_FLOOR_MS, sum(t * v for t, v in zip(self.theta, x, strict=True)))
+        return max(_FLOOR_MS, sum(map(operator.mul, self.theta, x)))
 
     def observe(self, x: Sequence[float], y: float, prior: Sequence[float]) -> None:
-        z = [v / s for v, s in zip(x, self._scale, strict=True)]
-        if not math.isfinite(y) or not all(abs(v) <= _MAX_FEATURE for v in z):  # NaN fails too
+        z = list(map(operator.truediv, x, self._scale))
+        if len(z) != self.dim:
+            raise ValueError(f"{len(z)} features for a model of {self.dim}")
+        biggest = max(map(abs, z))
+        if not math.isfinite(y) or not biggest <= _MAX_FEATURE or math.isnan(sum(z)):
             return  # garbage in (a broken scrape): one such sample once poisoned the fit for good
         predicted = self.predict(x)
         residual = abs(y - predicted)
@@ -106,14 +113,15 @@ class OnlineLinearModel:
         weight = 3 * scale / residual if residual > 3 * scale > 0 else 1.0
         rate = max(0.05, 1 / (self.samples + 1))
         self._abs_residual += rate * (min(residual, 3 * scale) - self._abs_residual)
-        decay, xtx, xty = self._decay, self._xtx, self._xty
-        for i in range(self.dim):
-            row, zi = xtx[i], z[i] * weight
-            for j in range(self.dim):
-                row[j] = decay * row[j] + zi * z[j]
-            xty[i] = decay * xty[i] + zi * y
+        decay = self._decay
+        wz = [v * weight for v in z]
+        self._xtx = [decay * a + wz[i] * z[j] for a, (i, j) in zip(self._xtx, self._pairs, strict=True)]
+        self._xty = [decay * a + w * y for a, w in zip(self._xty, wz, strict=True)]
         self.samples += 1
-        if self.samples <= 16 or self.samples % 16 == 0:  # refits cost ~50 µs: not on every answer
+        # A refit costs ~40 µs: on every answer while the fit is young, then every 16th, and
+        # every 64th once the memory is full (the fit moves by 1/horizon an answer by then).
+        every = 1 if self.samples <= 16 else 16 if self.samples <= self._horizon else 64
+        if self.samples % every == 0:
             self.fit(prior)
 
     def fit(self, prior: Sequence[float]) -> None:
@@ -121,8 +129,11 @@ class OnlineLinearModel:
         scaled_prior = [p * s for p, s in zip(prior, self._scale, strict=True)]
         free = list(range(self.dim))
         solution: dict[int, float] = {}
+        xtx = [[0.0] * self.dim for _ in range(self.dim)]
+        for value, (i, j) in zip(self._xtx, self._pairs, strict=True):
+            xtx[i][j] = xtx[j][i] = value
         while free:
-            matrix = [[self._xtx[i][j] + (self._ridge if i == j else 0.0) for j in free] for i in free]
+            matrix = [[xtx[i][j] + (self._ridge if i == j else 0.0) for j in free] for i in free]
             vector = [self._xty[i] + self._ridge * scaled_prior[i] for i in free]
             phi = _solve(matrix, vector)
             if phi is None:
@@ -138,6 +149,7 @@ class OnlineLinearModel:
             self.theta = theta
 
     def set_horizon(self, horizon: int) -> None:
+        self._horizon = horizon
         self._decay = 1.0 - 1.0 / horizon
 
     def set_prior(self, prior: Sequence[float]) -> None:

@@ -6,6 +6,8 @@ Registered in the gateway's own ``CollectorRegistry`` next to :class:`GatewayMet
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["KVEventMetrics"]
@@ -102,9 +104,28 @@ class KVEventMetrics:
             buckets=_ERROR_BUCKETS,
             registry=registry,
         )
+        self._fallback_children: dict[tuple[str, str], Any] = {}
+        self._error_children: dict[str, Any] = {}
+
+    def fallback(self, endpoint: str, reason: str) -> Any:
+        """``fallbacks.labels(endpoint, reason)``, memoised: counted on every routed request."""
+        key = (endpoint, reason)
+        child = self._fallback_children.get(key)
+        if child is None:
+            child = self._fallback_children[key] = self.fallbacks.labels(endpoint, reason)
+        return child
+
+    def error(self, index: str) -> Any:
+        """``prediction_error.labels(index)``, memoised: observed on every answer."""
+        child = self._error_children.get(index)
+        if child is None:
+            child = self._error_children[index] = self.prediction_error.labels(index)
+        return child
 
     def forget(self, endpoint: str) -> None:
         """An endpoint left the fleet: drop its series."""
+        for key in [k for k in self._fallback_children if k[0] == endpoint]:
+            del self._fallback_children[key]
         for metric in (self.applied, self.decode_errors, self.lag, self.live, self.exact_blocks):
             try:
                 metric.remove(endpoint)

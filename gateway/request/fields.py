@@ -195,10 +195,21 @@ FIELD_RULES: dict[ApiKind, dict[str, FieldRule]] = {
 
 
 def check_fields(api: ApiKind, body: dict[str, Any]) -> None:
-    for name, rule in FIELD_RULES.get(api, {}).items():
-        value = body.get(name)
-        if value is not None and not rule.accepts(value):
-            raise BadRequest(f"'{name}' must be {rule.expected()}, got {_describe(value)}", param=name)
+    """Each typed field the body has (a chat body names a few of its API's ~25 rules); with
+    several wrong, the error names the first in the rules' order, whatever the body's order."""
+    rules = FIELD_RULES.get(api)
+    if not rules:
+        return
+    wrong = [
+        name
+        for name, value in body.items()
+        if value is not None and (rule := rules.get(name)) is not None and not rule.accepts(value)
+    ]
+    if wrong:
+        order = list(rules)
+        name = min(wrong, key=order.index)
+        value = body[name]
+        raise BadRequest(f"'{name}' must be {rules[name].expected()}, got {_describe(value)}", param=name)
 
 
 def _describe(value: Any) -> str:

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _PRIORITY_NAMES = [p.value for p in Priority]
+_PRIORITIES = {p.value: p for p in Priority}  # a dict lookup, not the enum's slower call
 
 
 CHAIN_SOURCE = "previous_response_id"
@@ -91,13 +92,22 @@ def _body_value(body: dict[str, Any], dotted: str) -> Any:
     return value
 
 
+@lru_cache(maxsize=64)
+def _split_sources(sources: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``header:x`` → ``("header", "x")``, once per configuration, not per request."""
+    split = []
+    for source in sources:
+        kind, _, name = source.partition(":")
+        split.append((CHAIN_SOURCE, "") if source == CHAIN_SOURCE else (kind, name))
+    return tuple(split)
+
+
 def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
-    for source in _sources(options):
-        if source == CHAIN_SOURCE:
+    for kind, name in _split_sources(_sources(options)):
+        if kind == CHAIN_SOURCE:
             if isinstance(body.get(CHAIN_SOURCE), str):
                 return None  # the chain's session: looked up by the handler
             continue
-        kind, _, name = source.partition(":")
         if kind == "header":
             session_id = headers.get(name)
             if session_id:
@@ -154,12 +164,11 @@ def parse_request(
 
     priority_header = options.priority_header
     name = headers.get(priority_header, "").strip().lower() or Priority.STANDARD
-    try:
-        priority = Priority(name)
-    except ValueError:
+    priority = _PRIORITIES.get(name)
+    if priority is None:
         raise BadRequest(
             f"header {priority_header}: {name!r} is not one of {_PRIORITY_NAMES}", param=priority_header
-        ) from None
+        )
     if numbers is not None:
         numbers.check_all()
     return InferenceRequest(

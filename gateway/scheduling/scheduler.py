@@ -107,7 +107,7 @@ class Scheduler:
         """``explain`` keeps every plugin's score per candidate (debug header and log line)."""
         candidates: list[Endpoint] = list(endpoints)
         for flt in profile.filters:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if timed else 0.0
             candidates = flt.filter(request, candidates)
             if timed:
                 self._timer(PluginKind.FILTER, flt.name).observe(time.perf_counter() - t0)
@@ -122,7 +122,7 @@ class Scheduler:
         )
         for weighted in profile.scorers:
             scorer = weighted.scorer
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if timed else 0.0
             raw = scorer.score(request, candidates)
             if timed:
                 self._timer(PluginKind.SCORER, scorer.name).observe(time.perf_counter() - t0)
@@ -135,7 +135,7 @@ class Scheduler:
                     per_plugin[endpoint][name] = value
                 totals[endpoint] += weight * value
         scored = [ScoredEndpoint(e, totals[e], per_plugin.get(e, {})) for e in candidates]
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if timed else 0.0
         ranked = profile.picker.pick(request, scored)
         if timed:
             self._timer(PluginKind.PICKER, profile.picker.name).observe(time.perf_counter() - t0)
