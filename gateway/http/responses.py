@@ -5,10 +5,19 @@
 - ``GET``/``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
   ``GET /v1/responses/{id}/input_items`` are passed to that replica as they are.
 
+A response belongs to the tenant that made it (recorded by
+:class:`~gateway.proxy.response_hook.ResponseHook`, checked by
+:meth:`~gateway.sessions.responses.ResponseRecord.visible_to`): for any other tenant every
+one of these calls answers exactly as for an id that does not exist — the same 404, and no
+replica asked — so a tenant that learned another's response id can neither read, delete,
+cancel nor continue it, nor tell that it exists.
+
 Where the gateway has no record of an id (another gateway worker with the memory store,
-a restart), the healthy replicas are asked once (``GET /v1/responses/{id}``) and the one
-that has it is recorded. A replica that stored the response but is gone or unhealthy is a
-409 naming it — never a random replica's 404.
+a restart), and auth is off, the healthy replicas are asked once (``GET
+/v1/responses/{id}``) and the one that has it is recorded. With auth on they are not asked
+(see :func:`_probe`): use ``sessions.backend: redis`` for several workers or instances. A
+replica that stored the response but is gone or unhealthy is a 409 naming it — never a
+random replica's 404.
 """
 
 from __future__ import annotations
@@ -51,10 +60,23 @@ def _by_name(state: GatewayState, name: str) -> Endpoint | None:
     return next((e for e in (*state.registry.targets(), *state.registry) if e.name == name), None)
 
 
+def _caller(state: GatewayState, tenant: str) -> str | None:
+    """The tenant a lookup is made for: None with auth off (no tenants: nothing is scoped)."""
+    return tenant if state.auth is not None else None
+
+
 async def _probe(state: GatewayState, response_id: str, request_id: str) -> ResponseRecord | None:
-    """Ask every healthy replica whether it stores ``response_id``; record the one that does."""
+    """Ask every healthy replica whether it stores ``response_id``; record the one that does.
+
+    Only with auth off, where the record has no tenant and none is needed. With auth on a
+    response without a record has no known owner — the replicas store no tenant — and
+    recording it for whoever asks first would let a tenant that learned another's id take
+    the response over (and lock its owner out) once its record is gone: a restart or an
+    expired record of the memory store, a Redis outage. So with auth on an unrecorded id is
+    answered as unknown, the same 404, and the replicas are not asked.
+    """
     session = state.side_client
-    if session is None:
+    if session is None or state.auth is not None:
         return None
     replicas = [e for e in state.registry if _usable(e) and e.role is not Role.PREFILL]
 
@@ -79,13 +101,19 @@ async def _probe(state: GatewayState, response_id: str, request_id: str) -> Resp
 
 
 async def _record(
-    state: GatewayState, response_id: str, request_id: str, param: str | None
+    state: GatewayState, response_id: str, request_id: str, param: str | None, tenant: str | None
 ) -> ResponseRecord:
+    """The record of ``response_id`` as ``tenant`` (None: auth off) may see it, else the 404.
+
+    Another tenant's record is answered exactly as an unknown id — same body, same metric
+    (``not_found``) — and never sends the replicas a probe for an id that is recorded."""
     if not _RESPONSE_ID.fullmatch(response_id):  # never probed: "../../metrics" walked the replica
         record, result = None, "not_found"
     else:
         record = await state.sessions.responses.get(response_id)
         result = "hit"
+        if record is not None and not record.visible_to(tenant):
+            record, result = None, "not_found"  # recorded, for another tenant: not probed either
     if record is None and result == "hit":
         record = await _probe(state, response_id, request_id)
         result = "probed"
@@ -95,7 +123,7 @@ async def _record(
         state.routes.lookup(result)
     if record is None:
         raise NotFound(
-            f"Response with id {response_id!r} not found: no replica behind the gateway stores it",
+            f"Response with id {response_id!r} not found.",  # OpenAI's words; says nothing of who owns it
             param=param,
             code="response_not_found",
         )
@@ -123,7 +151,8 @@ async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endp
     previous = request.body.get("previous_response_id")
     if not isinstance(previous, str) or not previous:
         return None
-    record = await _record(state, previous, request.request_id, "previous_response_id")
+    caller = _caller(state, request.tenant)  # set by the auth's authorize before this is called
+    record = await _record(state, previous, request.request_id, "previous_response_id", caller)
     options = state.parse_options
     sources = options.session_sources or default_session_sources(
         options.session_header, options.session_body_fields
@@ -143,11 +172,11 @@ def _headers(endpoint: Endpoint, request_id: str) -> dict[str, str]:
 async def _pass_through(http_request: web.Request) -> web.StreamResponse:
     """One stateful call, sent to the replica that stores the response, answered as it answers."""
     state = http_request.app[STATE]
-    if state.auth is not None:
-        await state.auth.authenticate(http_request.headers)
+    tenant = await state.auth.authenticate(http_request.headers) if state.auth is not None else None
     response_id = http_request.match_info["response_id"]
     request_id = http_request[REQUEST_ID]
-    record = await _record(state, response_id, request_id, None)
+    caller = tenant.name if tenant is not None else None
+    record = await _record(state, response_id, request_id, None, caller)
     endpoint = _replica(state, record, response_id)
     session = http_request.app[_SESSION]
     headers = _headers(endpoint, request_id)

@@ -58,7 +58,7 @@ def build_routing(
         PassiveHealthHook(mark_failed),
         SessionHook(context.sessions),
         PDHook(context.metrics),
-        ResponseHook(context.sessions.responses),
+        ResponseHook(context.sessions.responses, scoped=config.auth.enabled),
     ]
     prefill: list[RequestHooks] = [InFlightHook(context.saturation.note_sent)]
     if scheduler.preparers:  # only policies that read the prefix index pay for hashing and recording

@@ -1,4 +1,4 @@
-"""The hook that learns where a Responses API response is stored: its id → the replica.
+"""The hook that learns where a Responses API response is stored: its id → the replica (and tenant).
 
 Read from the head of the answer (the JSON body's ``id``, or a stream's
 ``response.created`` event) at the first byte, so a client that cancels or retrieves a
@@ -17,8 +17,14 @@ __all__ = ["ResponseHook"]
 
 
 class ResponseHook(RequestHooks):
-    def __init__(self, store: ResponseStore) -> None:
+    """Records each response with its tenant when auth is on (``scoped``; the stateful routes
+    check it, :mod:`gateway.http.responses`), else with none: with auth off
+    ``request.tenant`` is the placeholder ``"default"``, which must not make the response the
+    property of a tenant that happens to be named so once auth is turned on."""
+
+    def __init__(self, store: ResponseStore, *, scoped: bool = False) -> None:
         self._store = store
+        self._scoped = scoped
 
     def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         if request.api is not ApiKind.RESPONSES or not request.context.answer_head:
@@ -28,4 +34,5 @@ class ResponseHook(RequestHooks):
             return
         # The chain is a session: the one the request already belongs to, else this response's own.
         chain = request.session_id or session_key(response_id)
-        self._store.put(response_id, ResponseRecord(endpoint.name, chain))
+        tenant = request.tenant if self._scoped else None
+        self._store.put(response_id, ResponseRecord(endpoint.name, chain, tenant))

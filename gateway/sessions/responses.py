@@ -8,6 +8,10 @@ vLLM keeps Responses API objects in the process that made them
 Two stores behind one protocol, as for session pins (:mod:`gateway.sessions.store`): in
 memory (bounded LRU with a TTL) and Redis (shared by gateway instances, mirrored locally,
 answered from the local copy when Redis is slow or down).
+
+A record also names the tenant that made the response: a response belongs to the tenant
+(API key's tenant) that created it, as OpenAI scopes responses to their project, and
+another tenant is answered as if the id did not exist (:meth:`ResponseRecord.visible_to`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ __all__ = [
 class ResponseRecord:
     endpoint: str  # the replica's name (its URL without the scheme, as in the registry)
     chain: str  # the session key of the chain: the first response's, kept along the chain
+    # The tenant that made the response; None when none is known: made with auth off, or a
+    # legacy record written by a gateway that did not record tenants.
+    tenant: str | None = None
+
+    def visible_to(self, tenant: str | None) -> bool:
+        """Whether a caller may see (use, continue, delete) this response.
+
+        ``tenant`` is the caller's tenant, None when auth is off: with no tenants there is
+        nothing to scope, and every response is visible. An authenticated tenant sees only
+        the responses its own tenant made. A record without a tenant (made while auth was
+        off, or a legacy record from before tenants were recorded) is no tenant's, so with
+        auth on it is visible to nobody — fail closed: its owner cannot be told from anyone
+        else who learned the id, and letting every tenant in would keep the leak open for
+        the record's TTL. Such a response is answered as unknown (its chain starts over).
+        """
+        return tenant is None or self.tenant == tenant
 
 
 class ResponseStore(Protocol):
@@ -86,9 +106,11 @@ class MemoryResponseStore:
 
 
 class RedisResponseStore(MirroredStore[MemoryResponseStore]):
-    """Keys ``<prefix>:response:{<id>}`` → ``{"e": endpoint, "c": chain}`` with ``PX ttl`` (the
-    Redis side is :class:`~gateway.sessions.redis_mirror.RedisMirror`, shared with the session
-    store)."""
+    """Keys ``<prefix>:response:{<id>}`` → ``{"e": endpoint, "c": chain, "t": tenant}`` with
+    ``PX ttl`` (the Redis side is :class:`~gateway.sessions.redis_mirror.RedisMirror`, shared
+    with the session store). ``"t"`` is left out when the record has no tenant, so such a
+    record is written exactly as a legacy one, and a legacy value (no ``"t"``) reads as a
+    record without a tenant."""
 
     kind = "response"
 
@@ -98,13 +120,19 @@ class RedisResponseStore(MirroredStore[MemoryResponseStore]):
             return self.local.get_now(response_id)
         try:
             data = json.loads(value)
-            return ResponseRecord(str(data["e"]), str(data["c"]))
-        except (ValueError, KeyError, TypeError):
+            tenant = data.get("t")
+            if tenant is not None and not isinstance(tenant, str):
+                raise TypeError("tenant")  # never a tenant made up from a damaged value
+            return ResponseRecord(str(data["e"]), str(data["c"]), tenant)
+        except (ValueError, KeyError, TypeError, AttributeError):
             return self.local.get_now(response_id)
 
     def put(self, response_id: str, record: ResponseRecord) -> None:
         self.local.put(response_id, record)
-        self._redis.set(response_id, json.dumps({"e": record.endpoint, "c": record.chain}))
+        value = {"e": record.endpoint, "c": record.chain}
+        if record.tenant is not None:
+            value["t"] = record.tenant
+        self._redis.set(response_id, json.dumps(value))
 
     def forget(self, response_id: str) -> None:
         self.local.forget(response_id)

@@ -31,3 +31,12 @@ async def test_memory_store_expires():
     store = MemoryResponseStore(ttl_s=1e-9, max_entries=10)
     store.put("resp_x", ResponseRecord("r", "c"))
     assert await store.get("resp_x") is None
+
+
+def test_a_record_is_visible_to_its_tenant_only_when_auth_is_on():
+    owned = ResponseRecord("r", "c", tenant="a")
+    assert owned.visible_to("a") and not owned.visible_to("b")
+    assert owned.visible_to(None)  # auth off: no tenants, nothing to scope
+    legacy = ResponseRecord("r", "c")  # no tenant: made with auth off, or before tenants were recorded
+    assert legacy.tenant is None and legacy.visible_to(None)
+    assert not legacy.visible_to("a") and not legacy.visible_to("default")  # fail closed

@@ -67,6 +67,15 @@ async def test_contract_put_get_forget(make_store) -> None:
     assert await store.get("resp_b") is not None
 
 
+async def test_contract_the_tenant_is_kept(make_store) -> None:
+    store = make_store()
+    store.put("resp_t", ResponseRecord("10.0.0.1:8000", "chain-t", tenant="acme"))
+    store.put("resp_none", ResponseRecord("10.0.0.1:8000", "chain-t"))
+    await settle(store)
+    assert await store.get("resp_t") == ResponseRecord("10.0.0.1:8000", "chain-t", "acme")
+    assert (await store.get("resp_none")).tenant is None
+
+
 async def test_contract_entries_expire(make_store) -> None:
     store = make_store(ttl_s=0.2)
     store.put("resp_short", ResponseRecord("r", "c"))
@@ -88,6 +97,29 @@ async def test_the_redis_keys_their_value_and_ttl(redis_url: str, key_prefix: st
     finally:
         await raw.aclose()
         await store.close()
+
+
+async def test_the_tenant_in_redis_and_a_legacy_value_without_one(redis_url: str, key_prefix: str) -> None:
+    """``"t"`` names the tenant; a value written before tenants were recorded still loads (no
+    tenant), read by an instance that has no local copy; a damaged ``"t"`` is never a tenant."""
+    writer, reader = _redis_store(redis_url, key_prefix), _redis_store(redis_url, key_prefix)
+    raw = _client(redis_url)
+    try:
+        writer.put("resp_t", ResponseRecord("10.0.0.9:8000", "chain-t", "acme"))
+        await writer.flush()
+        key = f"{key_prefix}:response:{{resp_t}}"
+        assert json.loads(await raw.get(key)) == {"e": "10.0.0.9:8000", "c": "chain-t", "t": "acme"}
+        assert await reader.get("resp_t") == ResponseRecord("10.0.0.9:8000", "chain-t", "acme")
+        legacy = f"{key_prefix}:response:{{resp_old}}"
+        await raw.set(legacy, json.dumps({"e": "10.0.0.9:8000", "c": "chain-o"}), px=30_000)
+        assert await reader.get("resp_old") == ResponseRecord("10.0.0.9:8000", "chain-o", None)
+        await raw.set(key, json.dumps({"e": "10.0.0.9:8000", "c": "chain-t", "t": 7}), px=30_000)
+        assert await reader.get("resp_t") is None  # unreadable, and no local copy to fall back on
+        assert await writer.get("resp_t") == ResponseRecord("10.0.0.9:8000", "chain-t", "acme")
+    finally:
+        await raw.aclose()
+        await writer.close()
+        await reader.close()
 
 
 async def test_a_second_instance_reads_what_the_first_wrote(redis_url: str, key_prefix: str) -> None:

@@ -110,7 +110,10 @@ def _stateful(method: str, summary: str, operation_id: str) -> Schema:
                 },
                 "400": {**INFERENCE_ERRORS["400"]},
                 "401": INFERENCE_ERRORS["401"],
-                "404": error_response("No replica stores this response (`code: response_not_found`)."),
+                "404": error_response(
+                    "No such response for the caller (`code: response_not_found`): unknown, or "
+                    "another tenant's (answered alike)."
+                ),
                 "409": _REPLICA_GONE,
                 "default": {
                     "description": "The storing replica's own answer, passed through.",
