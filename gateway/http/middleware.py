@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 
 from aiohttp import web
 
@@ -98,7 +98,7 @@ def _request_id(request: web.Request) -> str:
     given = request.headers.get("x-request-id", "")
     if given and len(given) <= _MAX_REQUEST_ID and given.isascii() and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 32 hex digits like uuid4().hex, at a fifth of its cost
 
 
 class RequestBodyTimeout(Exception):
