@@ -76,6 +76,11 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
         "prefix-aware",
         {"prefix": {"exact": "auto", "kv_events": {"reuse_turn_tokens": True}}},
     ),
+    # exact-local with every encode past 2,048 new characters in the thread pool (the old default)
+    "exact-local-pool": (
+        "prefix-aware",
+        {"prefix": {"exact": "auto", "kv_events": {"tokenizer": {"path": None, "inline_chars": 2048}}}},
+    ),
     "approximate": ("prefix-aware", {"prefix": {"exact": "off"}}),
     # the approximate index in Redis: what several gateways share without KV events
     "approximate-redis": ("prefix-aware", {"prefix": {"exact": "off", "backend": "redis"}}),
@@ -127,6 +132,7 @@ IDEAL = "ideal"
 IDEAL_SIM_BLOCKS = 1_000_000
 _LOCAL_TOKENS_TOO = (
     "exact-local",
+    "exact-local-pool",
     "llm-d-weights",
     *(name for name in ARMS if name.startswith("dynamo-cost")),
 )
@@ -153,10 +159,12 @@ def arm_config(name: str, tokenizer: str) -> tuple[str, dict[str, Any]]:
             prefix["kv_events"] = {**prefix.get("kv_events", {}), "pending_blocks": on}
             return policy, {**config, "prefix": prefix}
     policy, config = ARMS[name]
-    if name == "exact-local" and not tokenizer:
-        raise SystemExit("exact-local needs --tokenizer (the engines must tokenize as the gateway)")
+    if name.startswith("exact-local") and not tokenizer:
+        raise SystemExit(f"{name} needs --tokenizer (the engines must tokenize as the gateway)")
     if name in _LOCAL_TOKENS_TOO and tokenizer:
-        local = {"exact": "auto", "kv_events": {"tokenizer": {"path": tokenizer}}}
+        own = config["prefix"].get("kv_events", {}).get("tokenizer", {})
+        inline = {"inline_chars": own["inline_chars"]} if "inline_chars" in own else {}
+        local = {"exact": "auto", "kv_events": {"tokenizer": {"path": tokenizer, **inline}}}
         config = {**config, "prefix": local}
     return policy, config
 

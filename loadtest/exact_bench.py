@@ -294,6 +294,20 @@ def _row(
         "exact_predictions": sum(r.predicted == r.cached for r in results) / len(results)
         if predicts
         else nan,
+        **(_error_split(results) if predicts else {}),
+    }
+
+
+def _error_split(results: list[Result]) -> dict[str, float]:
+    """Which way the predictions miss: over (the engine had less: evicted, or not yet stored
+    when the request was admitted) or under (it had more: stored after the routing decision)."""
+    over = [r.predicted - r.cached for r in results if r.predicted > r.cached]
+    under = [r.cached - r.predicted for r in results if r.predicted < r.cached]
+    return {
+        "over_share": len(over) / len(results),
+        "over_mean_tokens": statistics.fmean(over) if over else 0.0,
+        "under_share": len(under) / len(results),
+        "under_mean_tokens": statistics.fmean(under) if under else 0.0,
     }
 
 
@@ -379,6 +393,15 @@ def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
             f"| {r['max_share']:.1%} | {r['tokenize_calls']} | {r['tokenize_ms']:.1f} "
             f"| {r['local_calls']} | {r['local_ms']:.2f} |"
         )
+    split = [r for r in rows if "over_share" in r]
+    if split:
+        print("\n| arm | over-predicted | mean over, tokens | under-predicted | mean under, tokens |")
+        print("|---|---:|---:|---:|---:|")
+        for r in split:
+            print(
+                f"| {r['arm']} | {r['over_share']:.1%} | {r['over_mean_tokens']:.1f} "
+                f"| {r['under_share']:.1%} | {r['under_mean_tokens']:.1f} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,13 @@ class TokenizerConfig(_Strict):
     )
     reverify_every: int = Field(1000, ge=0, description="auto: compare one request in N in the background")
     threads: int = Field(2, ge=1, le=64, description="tokenizer threads (off the event loop)")
+    inline_chars: int = Field(
+        16384,
+        ge=0,
+        le=1_000_000,
+        description="new text up to this long is encoded on the event loop (~4k tokens, 1.5-3 ms): "
+        "a thread's two GIL handoffs cost more than that on a busy gateway; longer in the threads",
+    )
     max_prompt_chars: int = Field(4_000_000, ge=1, description="longer prompts are not tokenized locally")
 
     @field_validator("path")

@@ -26,10 +26,6 @@ __all__ = ["LocalTokens"]
 
 log = logging.getLogger(__name__)
 
-# Encoding this much new text costs ~0.3 ms here, less than a worker thread's wait for the GIL
-# while the event loop is busy (up to the 5 ms switch interval: measured 6 ms mean per request
-# in loadtest.exact_bench with every prompt in the pool): shorter work stays on the loop.
-_INLINE_CHARS = 2048
 # chat fields /tokenize does not take but the chat completion renders: no verification on these
 _NOT_COMPARABLE = ("documents", "reasoning_effort")
 
@@ -131,7 +127,10 @@ class LocalTokens:
         started = time.perf_counter()
         try:
             prepared = tokenizer.prepare(request.api, request.body)
-            if prepared.remaining <= _INLINE_CHARS:
+            # A worker thread waits for the GIL twice (to start, and after the encode, which
+            # releases it) while the loop runs: up to the 5 ms switch interval each, more than
+            # encoding ~4k tokens costs here (1.5 ms). Shorter work stays on the loop.
+            if prepared.remaining <= self.settings.inline_chars:
                 tokens = tokenizer.finish(prepared)
             else:
                 tokens = await asyncio.get_running_loop().run_in_executor(

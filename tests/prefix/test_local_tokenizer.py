@@ -212,3 +212,29 @@ async def test_a_model_is_trusted_after_its_checks_and_dropped_at_a_mismatch(tin
         tiny_dir, "a b", True
     )
     local.close()
+
+
+async def test_long_new_text_is_encoded_in_the_pool_and_short_on_the_loop(tiny_dir: Path) -> None:
+    """``inline_chars`` splits the work: the same tokens either way, on the thread that the
+    setting says (the pool's threads are named ``llmgw-tokenize``)."""
+    import threading
+
+    where: list[str] = []
+
+    class Recording(LocalTokenizer):
+        def finish(self, prepared: Any) -> list[int]:
+            where.append(threading.current_thread().name)
+            return super().finish(prepared)
+
+    long_body = chat(("user", "word " * 1000))  # ~5,000 characters of new text
+    expected = LocalTokenizer(tiny_dir).chat_tokens(long_body)
+    for inline_chars, pooled in ((16384, False), (2048, True), (0, True)):
+        local = LocalTokens(
+            TokenizerConfig(path=str(tiny_dir), source="local", inline_chars=inline_chars),
+            KVEventMetrics(CollectorRegistry()),
+        )
+        local._by_dir = {d: Recording(tiny_dir) for d in local._by_dir}
+        where.clear()
+        assert await local.tokens(_Request(long_body)) == expected
+        assert len(where) == 1 and where[0].startswith("llmgw-tokenize") is pooled, (inline_chars, where)
+        local.close()
