@@ -127,12 +127,29 @@ for _weight in (4, 16):
             ),
         },
     )
+# prefix-aware's scorers with a heavier in-flight term (decode_weight, default 48 tokens a
+# request): how much of the tail is load concentrated on the replica that holds the prefix
+for _decode in (150, 400):
+    ARMS[f"exact-dw{_decode}"] = (
+        "",
+        {
+            "prefix": _ENGINE_TOKENS,
+            **_profile(
+                {"type": "max-score", "parameters": {"tolerance": 0.02}},
+                ({"type": "prefix-cost", "parameters": {"decode_weight": _decode}}, 1),
+                ({"type": "cache-room"}, 0.1),
+                ({"type": "lora-affinity"}, 1),
+            ),
+        },
+    )
 PEERS = {"sglang-router": "sglang-router:cache_aware"}
 IDEAL = "ideal"
 IDEAL_SIM_BLOCKS = 1_000_000
 _LOCAL_TOKENS_TOO = (
     "exact-local",
     "exact-local-pool",
+    "exact-dw150",
+    "exact-dw400",
     "llm-d-weights",
     *(name for name in ARMS if name.startswith("dynamo-cost")),
 )
