@@ -60,7 +60,13 @@ def build_routing(
         PDHook(context.metrics),
         ResponseHook(context.sessions.responses, scoped=config.auth.enabled),
     ]
-    prefill: list[RequestHooks] = [InFlightHook(context.saturation.note_sent)]
+    # A prefill leg's verdict feeds its replica's breaker and passive health like any attempt's:
+    # a broken prefill replica is ejected instead of being tried first by every request.
+    prefill: list[RequestHooks] = [
+        InFlightHook(context.saturation.note_sent),
+        BreakerHook(breakers),
+        PassiveHealthHook(mark_failed),
+    ]
     if scheduler.preparers:  # only policies that read the prefix index pay for hashing and recording
         attempt.append(PrefixHook(context.prefix, context.metrics))
         prefill.append(PrefixHook(context.prefix, context.metrics, count_overrides=False))

@@ -148,32 +148,40 @@ class PDCoordinator:
         """One prefill request, run through the prefill hook chain (the replica's accounting)."""
         hooks.on_send(request, endpoint)
         response = None
-        ok = False
+        verdict: str | None = None  # what the leg says of the replica (its breaker and health)
         try:
             loop = asyncio.get_running_loop()
             deadline = request.context.pd.deadline if request.context.pd is not None else math.inf
-            async with asyncio.timeout_at(min(loop.time() + self._config.prefill_timeout_s, deadline)):
+            own_limit = loop.time() + self._config.prefill_timeout_s
+            async with asyncio.timeout_at(min(own_limit, deadline)):
                 response = await self._client.post(
                     endpoint.url, request.api.upstream_path, body, _headers(request, endpoint)
                 )
                 payload = await response.read()
             if response.status != 200:
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
+                verdict = f"http_{response.status}" if response.status >= 500 else None  # 4xx: the request's
                 return None
             response.release()
             response = None
-            ok = True
+            verdict = "ok"
             return payload
         except TimeoutError:
             self._metrics.child(self._metrics.pd_prefill_failures, "timeout").inc()
+            verdict = "timeout" if own_limit <= deadline else None  # the request's deadline: not its fault
             return None
-        except (ConnectFailed, ConnectionLost):
+        except ConnectFailed:
             self._metrics.child(self._metrics.pd_prefill_failures, "connect").inc()
+            verdict = "connect"
+            return None
+        except ConnectionLost:
+            self._metrics.child(self._metrics.pd_prefill_failures, "connect").inc()
+            verdict = "disconnected"
             return None
         finally:
             if response is not None:
                 response.close()
-            hooks.on_done(request, endpoint, Outcome(ok=ok, verdict="ok" if ok else None))
+            hooks.on_done(request, endpoint, Outcome(ok=verdict == "ok", verdict=verdict))
 
     # -- SGLang bootstrap ---------------------------------------------------------------
     def _start_sglang(self, request: InferenceRequest, endpoint: Endpoint, hooks: RequestHooks) -> PDLeg:
