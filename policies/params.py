@@ -35,6 +35,13 @@ class Params:
             raise ValueError(f"parameters.{key}: {value} is below {low}")
         return value
 
+    def boolean(self, key: str, default: bool) -> bool:
+        self._seen.add(key)
+        value = self._values.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"parameters.{key}: expected true or false, got {value!r}")
+        return value
+
     def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
         self._seen.add(key)
         value = self._values.get(key, default)

@@ -88,7 +88,11 @@ def pd_preset(config: GatewayConfig) -> tuple[list[PluginSpec], list[ProfileSpec
         _TIE_BREAK,
         PluginSpec(
             type="pd-disagg",
-            parameters={"decider": config.pd.decider, "threshold_tokens": config.pd.threshold_tokens},
+            parameters={
+                "decider": config.pd.decider,
+                "threshold_tokens": config.pd.threshold_tokens,
+                "fallback_to_decode": config.pd.fallback_to_decode,
+            },
         ),
     ]
     common = [ProfilePluginRef(ref="healthy"), ProfilePluginRef(ref="model")]

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.config import ResilienceConfig
-from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.endpoint import Endpoint, Role
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.shared_breakers import SharedBreakerStates
@@ -302,9 +302,17 @@ class CircuitBreakers:
             self._on_eject(endpoint, reason)
 
     def _may_eject(self, endpoint: Endpoint) -> bool:
-        """At most ``max_ejected_fraction`` of the endpoints of any model it serves (≥1 if 2+)."""
+        """At most ``max_ejected_fraction`` of the endpoints of any model it serves (≥1 if 2+),
+        counted in its own pool: prefill replicas against prefill replicas, the others against
+        the others (a prefill pool's ejections must not spend the decode pool's allowance, nor
+        empty the prefill pool)."""
+        prefill = endpoint.role is Role.PREFILL
         for model in endpoint.models or {""}:
-            peers = [e for e in self._registry if (model in e.models or not model)]
+            peers = [
+                e
+                for e in self._registry
+                if (model in e.models or not model) and (e.role is Role.PREFILL) == prefill
+            ]
             if len(peers) < 2:
                 return False
             out = sum(1 for e in peers if e.ejected or not e.healthy or e.draining)

@@ -116,3 +116,8 @@ class ProfileHandler(Protocol):
     def profiles_used(self) -> tuple[str, ...]:
         """Profile names this handler refers to by name; checked against the config at start-up."""
         ...
+
+    def without_candidates(self, request: InferenceRequest, profile: str) -> bool:
+        """``profile``'s filters left no endpoint: True to go on without its ranking (it is
+        then empty), False to fail the request (503)."""
+        ...

@@ -87,7 +87,12 @@ class Scheduler:
             if not to_run:
                 break
             for name in to_run:
-                results[name] = self._run_profile(self.profiles[name], request, endpoints, timed, explain)
+                try:
+                    results[name] = self._run_profile(self.profiles[name], request, endpoints, timed, explain)
+                except NoHealthyEndpoint:
+                    if not self.handler.without_candidates(request, name):
+                        raise
+                    results[name] = []  # ran, and ranked no one: the handler goes on without it
         primary = self.handler.primary_profile(request, results)
         prefill = self.handler.prefill_profile(request, results)
         self._metrics.scheduling_latency.observe(time.perf_counter() - started)

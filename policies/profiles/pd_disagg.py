@@ -37,6 +37,7 @@ class PDProfileHandler:
         threshold_tokens: float,
         decode_profile: str,
         prefill_profile: str,
+        fallback_to_decode: bool = True,
     ) -> None:
         self.name = name
         self._prefix = prefix
@@ -44,6 +45,7 @@ class PDProfileHandler:
         self._threshold = threshold_tokens
         self._decode = decode_profile
         self._prefill = prefill_profile
+        self._fallback = fallback_to_decode
 
     def profiles_used(self) -> tuple[str, ...]:
         return (self._decode, self._prefill)
@@ -78,7 +80,15 @@ class PDProfileHandler:
     def prefill_profile(
         self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]
     ) -> str | None:
-        return self._prefill if self._prefill in results else None
+        return self._prefill if results.get(self._prefill) else None
+
+    def without_candidates(self, request: InferenceRequest, profile: str) -> bool:
+        """No prefill replica can serve (all down, ejected or draining): decode-only, as a failed
+        prefill leg is with ``fallback_to_decode``; without it the request fails (503)."""
+        if profile != self._prefill or not self._fallback:
+            return False
+        request.context.pd_decision = PDDecision(False, "no_prefill_replica")
+        return True
 
 
 def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> PDProfileHandler:
@@ -87,5 +97,6 @@ def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> 
     threshold = params.number("threshold_tokens", 512, low=0)
     decode = params.optional_string("decode_profile") or "decode"
     prefill = params.optional_string("prefill_profile") or "prefill"
+    fallback = params.boolean("fallback_to_decode", True)
     params.done()
-    return PDProfileHandler(name, context.prefix, decider, threshold, decode, prefill)
+    return PDProfileHandler(name, context.prefix, decider, threshold, decode, prefill, fallback)

@@ -39,6 +39,9 @@ class SingleProfileHandler:
     def primary_profile(self, request: InferenceRequest, results: dict[str, list[ScoredEndpoint]]) -> str:
         return next(iter(results))
 
+    def without_candidates(self, request: InferenceRequest, profile: str) -> bool:
+        return False  # its one profile is the request's: nothing to send it to
+
 
 def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> SingleProfileHandler:
     params = Params(parameters)
