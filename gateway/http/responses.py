@@ -31,7 +31,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from gateway.errors import Conflict, NotFound
+from gateway.errors import BadRequest, Conflict, NotFound
 from gateway.fleet.endpoint import Endpoint, Role
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.state import STATE, GatewayState
@@ -145,9 +145,19 @@ def _replica(state: GatewayState, record: ResponseRecord, response_id: str) -> E
 
 
 async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endpoint | None:
-    """For a Responses request with ``previous_response_id``: the replica that stored it."""
+    """For a Responses request with ``previous_response_id``: the replica that stored it.
+
+    With auth on, a client may not choose the new response's id (vLLM's ``request_id`` extra
+    field becomes it): one tenant naming another's id would overwrite that response on the
+    replica and take over its record here."""
     if request.api is not ApiKind.RESPONSES:
         return None
+    if state.auth is not None and "request_id" in request.body:
+        raise BadRequest(
+            "'request_id' cannot be set by the client when the gateway authenticates: response ids"
+            " are chosen by the engine, so that no tenant can name another's",
+            param="request_id",
+        )
     previous = request.body.get("previous_response_id")
     if not isinstance(previous, str) or not previous:
         return None

@@ -66,7 +66,8 @@ class Replica:
 
     async def _create(self, request: web.Request) -> web.Response:
         self._counter += 1
-        rid = f"resp_{self._counter:04d}"
+        # vLLM 0.32: the body's request_id (an extra field) becomes the response's id
+        rid = (await request.json()).get("request_id") or f"resp_{self._counter:04d}"
         obj = {"id": rid, "object": "response", "status": "completed", "model": self.model, "output": []}
         self.stored[rid] = obj
         return web.json_response(obj)

@@ -185,3 +185,25 @@ async def test_a_legacy_record_without_a_tenant_is_no_tenants(
 
     status, body, _ = await _call(http, open_gw, None, "get", response_id)
     assert status == 200 and body["id"] == response_id
+
+
+async def test_a_client_cannot_choose_a_response_id_with_auth_on(stack, start_gateway, http, keys_file):
+    """vLLM makes the body's ``request_id`` the response's id and stores it over any response of
+    that id: tenant B naming tenant A's id would replace A's response and take its record."""
+    replica = await stack.enter_async_context(running_replica())
+    gw = await start_gateway([replica.url], auth=_auth(keys_file))
+    response_id = await _create(http, gw, KEY_A)
+    stolen = {"model": "tiny", "input": "mine now", "request_id": response_id}
+    async with http.post(
+        gw.url + "/v1/responses", json=stolen, headers={"authorization": f"Bearer {KEY_B}"}
+    ) as r:
+        assert r.status == 400, await r.text()
+        error = (await r.json())["error"]
+    assert error["param"] == "request_id" and error["type"] == "invalid_request_error"
+    assert replica.stored[response_id]["id"] == response_id and len(replica.stored) == 1
+    assert (await gw.state.sessions.responses.get(response_id)).tenant == "a"
+    assert (await _call(http, gw, KEY_A, "get", response_id))[0] == 200
+
+    open_gw = await start_gateway([replica.url])  # auth off: one tenant, the engine's extra field works
+    async with http.post(open_gw.url + "/v1/responses", json={**stolen, "request_id": "resp_mine"}) as r:
+        assert r.status == 200 and (await r.json())["id"] == "resp_mine"
