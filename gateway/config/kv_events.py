@@ -65,7 +65,8 @@ class TokenizerConfig(_Strict):
         16384,
         ge=0,
         le=1_000_000,
-        description="new text up to this long is encoded on the event loop (~4k tokens, 1.5-3 ms): "
+        description="new text up to this long (a quarter of it if not ASCII) is encoded on the event loop "
+        "(~4k tokens, 1.5-3 ms): "
         "a thread's two GIL handoffs cost more than that on a busy gateway; longer in the threads",
     )
     max_prompt_chars: int = Field(4_000_000, ge=1, description="longer prompts are not tokenized locally")

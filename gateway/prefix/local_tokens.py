@@ -129,8 +129,13 @@ class LocalTokens:
             prepared = tokenizer.prepare(request.api, request.body)
             # A worker thread waits for the GIL twice (to start, and after the encode, which
             # releases it) while the loop runs: up to the 5 ms switch interval each, more than
-            # encoding ~4k tokens costs here (1.5 ms). Shorter work stays on the loop.
-            if prepared.remaining <= self.settings.inline_chars:
+            # encoding ~4k tokens costs here (1.5 ms). Shorter work stays on the loop. Text that
+            # is not ASCII (CJK, emoji) is up to a token a character: a quarter of the limit.
+            remaining = prepared.remaining
+            limit = self.settings.inline_chars
+            if remaining and not prepared.text[-remaining:].isascii():
+                limit //= 4
+            if remaining <= limit:
                 tokens = tokenizer.finish(prepared)
             else:
                 tokens = await asyncio.get_running_loop().run_in_executor(

@@ -226,9 +226,11 @@ async def test_long_new_text_is_encoded_in_the_pool_and_short_on_the_loop(tiny_d
             where.append(threading.current_thread().name)
             return super().finish(prepared)
 
-    long_body = chat(("user", "word " * 1000))  # ~5,000 characters of new text
-    expected = LocalTokenizer(tiny_dir).chat_tokens(long_body)
-    for inline_chars, pooled in ((16384, False), (2048, True), (0, True)):
+    cases = [("word " * 1000, 16384, False), ("word " * 1000, 2048, True), ("word " * 1000, 0, True)]
+    cases += [("語" * 5000, 16384, True), ("語" * 3000, 16384, False)]  # not ASCII: a quarter of it
+    for text, inline_chars, pooled in cases:
+        long_body = chat(("user", text))
+        expected = LocalTokenizer(tiny_dir).chat_tokens(long_body)
         local = LocalTokens(
             TokenizerConfig(path=str(tiny_dir), source="local", inline_chars=inline_chars),
             KVEventMetrics(CollectorRegistry()),
@@ -236,5 +238,6 @@ async def test_long_new_text_is_encoded_in_the_pool_and_short_on_the_loop(tiny_d
         local._by_dir = {d: Recording(tiny_dir) for d in local._by_dir}
         where.clear()
         assert await local.tokens(_Request(long_body)) == expected
-        assert len(where) == 1 and where[0].startswith("llmgw-tokenize") is pooled, (inline_chars, where)
+        pooled_here = where[0].startswith("llmgw-tokenize")
+        assert len(where) == 1 and pooled_here is pooled, (text[:9], inline_chars, where)
         local.close()
