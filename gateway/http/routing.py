@@ -58,7 +58,7 @@ def build_routing(
         PassiveHealthHook(mark_failed),
         SessionHook(context.sessions),
         PDHook(context.metrics),
-        ResponseHook(context.sessions.responses, scoped=config.auth.enabled),
+        ResponseHook(context.sessions, scoped=config.auth.enabled),
     ]
     # A prefill leg's verdict feeds its replica's breaker and passive health like any attempt's:
     # a broken prefill replica is ejected instead of being tried first by every request.

@@ -7,7 +7,9 @@ worker there is no slot and none of this exists: the single process keeps today'
 Shared: per-endpoint in-flight requests, in-flight prompt tokens and pending prefill tokens
 (:class:`~gateway.fleet.shared_load.SharedLoad`); with the memory prefix index, what each
 worker records (:class:`~gateway.prefix.broadcast.BroadcastPrefixIndex`; the Redis index
-and the exact index from KV events are shared already); breaker states
+and the exact index from KV events are shared already); with the memory session store, the
+Responses API's records (:class:`~gateway.sessions.response_broadcast.BroadcastResponseStore`);
+breaker states
 (:class:`~gateway.proxy.shared_breakers.SharedBreakerStates`); admin API changes
 (:class:`~gateway.http.admin_share.AdminShare`); ``/metrics`` answers with every worker's
 series (:class:`~gateway.http.metrics_share.MetricsShare`). Every response names the worker that
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -34,6 +36,8 @@ from gateway.ops.tasks import supervise
 from gateway.prefix.broadcast import BroadcastPrefixIndex, PrefixBus
 from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.proxy.shared_breakers import SharedBreakerStates
+from gateway.sessions.response_broadcast import BroadcastResponseStore
+from gateway.sessions.responses import MemoryResponseStore
 
 __all__ = ["WORKER_HEADER", "WorkerSlot", "attach_worker"]
 
@@ -62,6 +66,7 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
     state.breakers.shared = SharedBreakerStates(shared)
     shared.refresh(force=True)
     index = _share_prefix_records(state, slot)
+    responses = _share_response_records(state, slot)
     admin = state.admin_share = AdminShare(state, slot.directory, slot.index, slot.table.workers)
     metrics = state.metrics_share = MetricsShare(
         state.metrics.registry, slot.directory, slot.index, slot.table.workers
@@ -74,6 +79,8 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
     async def lifetime(_app: web.Application) -> AsyncIterator[None]:
         if index is not None:
             index.start()
+        if responses is not None:
+            responses.start()
         admin.listen()
         await metrics.start()
         restarts = state.metrics.task_restarts
@@ -95,23 +102,41 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
         table.close()
         if index is not None:
             await index.close()
+        if responses is not None:
+            await responses.close()
 
     app.on_response_prepare.append(name_worker)
     app.cleanup_ctx.append(lifetime)
+
+
+def _dropped(state: GatewayState, what: str) -> Callable[[], None]:
+    """The counter of ``what`` a sibling did not get (its buffer was full, or it was gone)."""
+    return Counter(
+        f"llm_gateway_worker_{what}_records_dropped",
+        f"{what} records broadcast to a sibling worker, not delivered (its buffer was full, or it was gone)",
+        registry=state.metrics.registry,
+    ).inc
 
 
 def _share_prefix_records(state: GatewayState, slot: WorkerSlot) -> BroadcastPrefixIndex | None:
     local = state.prefix.index
     if not isinstance(local, MemoryPrefixIndex):  # Redis: every worker reads the same index
         return None
-    dropped = Counter(
-        "llm_gateway_worker_prefix_records_dropped",
-        "Prefix-index broadcasts to a sibling worker dropped (its buffer was full, or it was gone)",
-        registry=state.metrics.registry,
-    )
-    bus = PrefixBus(slot.directory, slot.index, slot.table.workers, on_drop=dropped.inc)
+    bus = PrefixBus(slot.directory, slot.index, slot.table.workers, on_drop=_dropped(state, "prefix"))
     index = state.prefix.index = BroadcastPrefixIndex(local, bus)
     return index
+
+
+def _share_response_records(state: GatewayState, slot: WorkerSlot) -> BroadcastResponseStore | None:
+    """With the memory store: a Responses chain continues through any worker (with auth on,
+    an id a worker does not know is never looked for on the replicas)."""
+    local = state.sessions.responses
+    if not isinstance(local, MemoryResponseStore):  # Redis: every worker reads the same store
+        return None
+    workers = slot.table.workers
+    store = BroadcastResponseStore(local, slot.directory, slot.index, workers, _dropped(state, "response"))
+    state.sessions.responses = store
+    return store
 
 
 async def _refresh_while_idle(shared: SharedLoad) -> None:

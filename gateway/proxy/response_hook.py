@@ -11,7 +11,8 @@ from gateway.fleet.endpoint import Endpoint
 from gateway.proxy.hooks import RequestHooks
 from gateway.request.parse import session_key
 from gateway.request.types import ApiKind, InferenceRequest
-from gateway.sessions.responses import ResponseRecord, ResponseStore, response_id_in
+from gateway.sessions.affinity import SessionAffinity
+from gateway.sessions.responses import ResponseRecord, response_id_in
 
 __all__ = ["ResponseHook"]
 
@@ -22,9 +23,9 @@ class ResponseHook(RequestHooks):
     ``request.tenant`` is the placeholder ``"default"``, which must not make the response the
     property of a tenant that happens to be named so once auth is turned on."""
 
-    def __init__(self, store: ResponseStore, *, scoped: bool = False) -> None:
-        self._store = store
-        self._scoped = scoped
+    def __init__(self, sessions: SessionAffinity, *, scoped: bool = False) -> None:
+        self._sessions = sessions  # its store is read per response: a worker's is replaced by
+        self._scoped = scoped  # the one that broadcasts (gateway.sessions.response_broadcast)
 
     def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         if request.api is not ApiKind.RESPONSES or not request.context.answer_head:
@@ -35,4 +36,4 @@ class ResponseHook(RequestHooks):
         # The chain is a session: the one the request already belongs to, else this response's own.
         chain = request.session_id or session_key(response_id)
         tenant = request.tenant if self._scoped else None
-        self._store.put(response_id, ResponseRecord(endpoint.name, chain, tenant))
+        self._sessions.responses.put(response_id, ResponseRecord(endpoint.name, chain, tenant))
