@@ -12,10 +12,11 @@ one of these calls answers exactly as for an id that does not exist — the same
 replica asked — so a tenant that learned another's response id can neither read, delete,
 cancel nor continue it, nor tell that it exists.
 
-Where the gateway has no record of an id (another gateway worker with the memory store,
-a restart), and auth is off, the healthy replicas are asked once (``GET
+Where the gateway has no record of an id (another gateway instance without Redis, a
+restart), and auth is off, the healthy replicas are asked once (``GET
 /v1/responses/{id}``) and the one that has it is recorded. With auth on they are not asked
-(see :func:`_probe`): use ``sessions.backend: redis`` for several workers or instances. A
+(see :func:`_probe`): several instances need ``sessions.backend: redis`` (the workers of one
+instance share their records: :mod:`gateway.sessions.response_broadcast`). A
 replica that stored the response but is gone or unhealthy is a 409 naming it — never a
 random replica's 404.
 """

@@ -94,12 +94,9 @@ def _body_value(body: dict[str, Any], dotted: str) -> Any:
 
 @lru_cache(maxsize=64)
 def _split_sources(sources: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """``header:x`` → ``("header", "x")``, once per configuration, not per request."""
-    split = []
-    for source in sources:
-        kind, _, name = source.partition(":")
-        split.append((CHAIN_SOURCE, "") if source == CHAIN_SOURCE else (kind, name))
-    return tuple(split)
+    """``header:x`` → ``("header", "x")`` (``CHAIN_SOURCE`` → ``(CHAIN_SOURCE, "")``), once per
+    configuration, not per request."""
+    return tuple((kind, name) for kind, _, name in (source.partition(":") for source in sources))
 
 
 def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
