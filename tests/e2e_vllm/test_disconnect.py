@@ -122,6 +122,33 @@ async def _caught_decoding(http: aiohttp.ClientSession, urls: list[str], request
     return False
 
 
+async def _answered(http: aiohttp.ClientSession, gw) -> float:
+    return metric_value(await gateway_metrics(http, gw), "llm_gateway_requests_total", status="200") or 0.0
+
+
+async def _finished_before_the_cut(
+    http: aiohttp.ClientSession, gw, disconnects: float, answered: float
+) -> bool:
+    """True if the engine finished and the gateway had the whole answer before the client left.
+
+    A look at the engines' /metrics can take ~2 s on a busy CPU replica: "running" may be
+    seconds old when the client cuts, and a fast host decodes the rest meanwhile (CI did: the
+    gateway answered, nothing to count). Exactly one of the two counters moves."""
+    outcome: list[tuple[bool, bool]] = []
+
+    async def settled() -> bool:
+        text = await gateway_metrics(http, gw)
+        cut = metric_value(text, "llm_gateway_client_disconnects_total") == disconnects + 1
+        done = (metric_value(text, "llm_gateway_requests_total", status="200") or 0.0) == answered + 1
+        outcome[:] = [(cut, done)]
+        return cut or done
+
+    await wait_until(settled, 3.0, "the gateway to count the client's disconnect or its answer")
+    cut, done = outcome[0]
+    assert not (cut and done), "one request counted both as answered and as cut"
+    return done
+
+
 async def test_non_streaming_disconnect_aborts_the_engine_request(fleet: Fleet, start_gateway, http) -> None:
     """As the stream test: the gateway's half on every cut, the engine's on one of three."""
     gw = await start_gateway(fleet.urls, policy="round-robin")
@@ -138,6 +165,7 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(fleet: Fleet, 
     cuts, misses = 0, []
     for _attempt in range(5):
         before = await _accounts(http, fleet.urls)
+        answered = await _answered(http, gw)
         request = asyncio.create_task(call())
         if not await _caught_decoding(http, fleet.urls, request):
             status, _ = request.result()
@@ -146,6 +174,8 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(fleet: Fleet, 
         request.cancel()
         await asyncio.gather(request, return_exceptions=True)
         assert request.cancelled()
+        if await _finished_before_the_cut(http, gw, disconnects=cuts, answered=answered):
+            continue
         cuts += 1
         await _gateway_let_go(http, gw, disconnects=cuts)
         miss = await _engine_aborted(http, fleet.urls, before)
