@@ -133,6 +133,9 @@ class ReplicaOptions:
     kv_events: bool = False
     kv_topic: str = "kv"
     extra_args: tuple[str, ...] = ()
+    # > 0: the engine runs at this niceness, so on a small shared host it takes the cores the
+    # gateway and the load generator leave (as on a real deployment: the router has its own)
+    nice: int = 0
 
 
 def kv_events_config(pub_port: int, replay_port: int, topic: str = "kv") -> str:
@@ -299,7 +302,10 @@ def start_replica(
     log_path = log_dir / f"vllm-{index}-{port}.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            _argv(model_dir, port, options, kv_ports),
+            [
+                *(["nice", "-n", str(options.nice)] if options.nice else []),
+                *_argv(model_dir, port, options, kv_ports),
+            ],
             cwd=REPO_ROOT,
             env=offline_env(cache),
             stdin=subprocess.DEVNULL,
