@@ -274,6 +274,8 @@ def _row(
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
     served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+    engine_ttft_s = sum(a["ttft_sum"] - b["ttft_sum"] for a, b in zip(after, before, strict=True))
+    engine_ttft_n = sum(a["ttft_count"] - b["ttft_count"] for a, b in zip(after, before, strict=True))
     ttfts = sorted(r.ttft for r in results)
 
     def summed(sample: str) -> float:  # over the gateway instances
@@ -294,6 +296,8 @@ def _row(
         "requests": len(results),
         "hit_ratio": hits / queries if queries else 0.0,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
+        "engine_ttft_mean_ms": 1000 * engine_ttft_s / engine_ttft_n if engine_ttft_n else nan,
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "steady_ttfts": [r.ttft for r in results if r.turn >= warmup],
         # the slowest 2 %: which turns they were (early ones: the cold start every arm has)
@@ -449,6 +453,13 @@ def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
     for r in rows:
         if "slowest_turns" in r:
             print(f"{r['arm']}: the slowest 2 % of each round were its turns {r['slowest_turns']}")
+    for r in rows:
+        if not math.isnan(r.get("engine_ttft_mean_ms", math.nan)):
+            added = r["ttft_mean_ms"] - r["engine_ttft_mean_ms"]
+            print(
+                f"{r['arm']}: mean TTFT {r['ttft_mean_ms']:.1f} ms = the engines' own "
+                f"{r['engine_ttft_mean_ms']:.1f} + {added:.1f} outside them (gateway, client, network)"
+            )
     tail = steady_tail(rows, baseline)
     if tail:
         print(f"\nTTFT after each arm's warm-up, pooled over the rounds (ratios to {base['arm']}):")

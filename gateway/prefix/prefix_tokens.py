@@ -1,37 +1,52 @@
 """A conversation's next turn tokenized from where the previous one provably ends the same.
 
-Encoding an 8k-token prompt costs ~10 ms here; turn N+1's text starts with turn N's. The
-``tokenizers`` pipeline splits the text at added tokens *before* anything else (normalizer,
-pre-tokenizer, model all run per piece), so after an added token ``t`` that is not
-normalized and strips nothing, the tokens of what follows do not depend on what precedes
-``t`` — provided no added token occurs across the cut in the new text (checked): then the
-leftmost-longest matching before the cut makes the same choices as in the old text (the
-old text's own straddling occurrences were not chosen there). The rest is encoded as ``t + rest``
-(its pieces keep a non-zero offset, as Metaspace's ``prepend_scheme: first`` needs) and
-``t``'s own id dropped. Only without special tokens (chat prompts): a post-processor adds
-nothing then. Keys are the exact prefix text's hash; a miss is a full encode.
+Encoding an 8k-token prompt costs ~10 ms here; turn N+1's text starts with turn N's. Two
+kinds of cut, each a place where the tokens after it cannot depend on the text before it:
+
+- **after an added token** ``t`` that is not normalized and strips nothing. The ``tokenizers``
+  pipeline splits the text at added tokens *before* anything else (normalizer, pre-tokenizer,
+  model all run per piece), so provided no added token occurs across the cut in the new text
+  (checked), the leftmost-longest matching before the cut makes the same choices as in the old
+  text. The rest is encoded as ``t + rest`` (its pieces keep a non-zero offset, as Metaspace's
+  ``prepend_scheme: first`` needs) and ``t``'s own id dropped.
+- **before a printable ASCII character that follows a newline**, for tokenizers without a
+  normalizer whose pre-tokenizer is byte-level with GPT-2's split pattern and no prefix space
+  (models whose chat markers are plain text, as ``<|user|>`` is in the tiny Llama's template).
+  No alternative of that pattern matches a newline together with a character that is not
+  whitespace, so a pre-token always ends there; the pattern looks one character ahead at most,
+  so the pre-tokens before the cut are the same whatever non-space character follows, and those
+  after it are the pre-tokens of the rest alone. The model encodes each pre-token on its own.
+  An added token that strips whitespace could take the newline: then there are no such cuts.
+
+Only without special tokens (chat prompts): a post-processor adds nothing then. Keys are the
+exact prefix text's hash; a miss is a full encode.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 from tokenizers import Tokenizer
 
-__all__ = ["Plan", "PrefixTokens"]
+__all__ = ["Plan", "PrefixTokens", "newline_cuts_hold"]
 
 _MIN_REUSE_CHARS = 512  # a shorter reusable prefix saves less than the lookup costs
+_NEWLINE_CUT = re.compile("\n(?=[!-~])")  # a cut at the match's end: before the printable character
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A cached cut ``text`` starts with: its ids (ending with the cut token) and where it ends."""
+    """A cached cut ``text`` starts with: its ids (ending at the cut) and where it ends.
+
+    ``cut`` is the added token the ids end with (encoded again in front of the rest), or ""
+    for a newline cut (the rest is encoded alone)."""
 
     hit: array[int] | None
     end: int
@@ -40,6 +55,20 @@ class Plan:
     def remaining(self, text: str) -> int:
         """Characters still to encode."""
         return len(text) - self.end + len(self.cut)
+
+
+def newline_cuts_hold(tokenizer: Tokenizer) -> bool:
+    """Whether a newline followed by a printable character is a cut for ``tokenizer`` (see above)."""
+    spec: dict[str, Any] = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    if spec.get("normalizer") is not None or pre.get("type") != "ByteLevel":
+        return False
+    if pre.get("add_prefix_space") or not pre.get("use_regex", True):
+        return False
+    if (spec.get("model") or {}).get("dropout") is not None:
+        return False
+    added = tokenizer.get_added_tokens_decoder().values()
+    return not any(t.lstrip or t.rstrip or t.single_word for t in added)
 
 
 class PrefixTokens:
@@ -56,25 +85,37 @@ class PrefixTokens:
         self._cut_ids = cuts
         words = sorted(set(cuts.values()), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, words))) if words and entries else None
-        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._newlines = bool(entries) and newline_cuts_hold(tokenizer)
+        self._cache: OrderedDict[bytes, tuple[array[int], bool]] = OrderedDict()  # ids, newline cut
         self._lock = threading.Lock()  # the tokenizer pool's threads share the cache
         self.hits = 0
 
     @property
     def enabled(self) -> bool:
-        return self._pattern is not None
+        return self._pattern is not None or self._newlines
+
+    def _cut_ends(self, text: str) -> list[int]:
+        """Every place ``text`` may be cut at, ascending."""
+        ends = [m.end() for m in self._pattern.finditer(text)] if self._pattern is not None else []
+        if self._newlines:
+            ends = sorted({*ends, *(m.end() for m in _NEWLINE_CUT.finditer(text))})
+        return [e for e in ends if e >= _MIN_REUSE_CHARS]
 
     def plan(self, text: str) -> Plan:
         """Where ``text`` can start from a cached cut (cheap: one regex pass and one hash pass)."""
-        pattern = self._pattern
-        if pattern is None:
+        if not self.enabled:
             return Plan(None, 0, "")
-        ends = [m.end() for m in pattern.finditer(text) if m.end() >= _MIN_REUSE_CHARS]
+        ends = self._cut_ends(text)
         digests = _prefix_digests(text, ends)
         for end, digest in zip(reversed(ends), reversed(digests), strict=True):
             with self._lock:
-                hit = self._cache.get(digest)
-            if hit is None:
+                entry = self._cache.get(digest)
+            if entry is None:
+                continue
+            hit, newline = entry
+            if newline:
+                if end < len(text) and "!" <= text[end] <= "~" and not self._straddled(text, end):
+                    return Plan(hit, end, "")
                 continue
             cut = self._cut_ids.get(hit[-1])
             if cut is None or not text.endswith(cut, 0, end) or self._straddled(text, end):
@@ -84,25 +125,22 @@ class PrefixTokens:
 
     def encode(self, text: str, plan: Plan | None = None) -> list[int]:
         """``text``'s ids without special tokens, equal to a full encode."""
-        if self._pattern is None:
+        if not self.enabled:
             return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         plan = plan if plan is not None else self.plan(text)
         hit, end, cut = plan.hit, plan.end, plan.cut
         if hit is not None:
             tail = self._tokenizer.encode_batch([cut + text[end:]], add_special_tokens=False)[0]
-            if tail.ids and tail.ids[0] == hit[-1]:  # always, per the argument above
+            shared = 1 if cut else 0  # an added-token cut's token is encoded again, and dropped
+            if not cut or (tail.ids and tail.ids[0] == hit[-1]):  # always, per the argument above
                 self.hits += 1
-                ids = hit.tolist() + tail.ids[1:]
-                start, head = end - len(cut), len(hit) - 1
-                self._remember(
-                    text,
-                    ids,
-                    lambda i, s=start, t=tail, h=head: s + t.token_to_chars(i - h)[1] if i >= h else None,
-                )
+                ids = hit.tolist() + tail.ids[shared:]
+                start, head = end - len(cut), len(hit) - shared
+                self._remember(text, ids, _TailOffsets(tail, start, head))
                 return ids
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
-        self._remember(text, ids, lambda i: encoding.token_to_chars(i)[1])
+        self._remember(text, ids, _TailOffsets(encoding, 0, 0))
         return ids
 
     def _straddled(self, text: str, end: int) -> bool:
@@ -112,23 +150,71 @@ class PrefixTokens:
                 return True
         return False
 
-    def _remember(self, text: str, ids: list[int], end_of: Callable[[int], int | None]) -> None:
+    def _remember(self, text: str, ids: list[int], offsets: _TailOffsets) -> None:
         """Keep ``ids`` up to the last cut of ``text`` (its tokens there are final)."""
+        added = self._last_added_cut(ids, offsets)
+        newline = self._last_newline_cut(text, offsets) if self._newlines else None
+        if newline is not None and (added is None or newline[0] > added[0]):
+            (end, count), is_newline = newline, True
+        elif added is not None:
+            (end, count), is_newline = added, False
+        else:
+            return
+        key = xxhash.xxh3_128_digest(text[:end].encode("utf-8", "surrogatepass"))
+        kept = array("I", ids[:count])
+        with self._lock:
+            self._cache[key] = (kept, is_newline)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._entries:
+                self._cache.popitem(last=False)
+
+    def _last_added_cut(self, ids: list[int], offsets: _TailOffsets) -> tuple[int, int] | None:
+        """(end char, tokens up to and with it) of the last added-token cut, or None."""
         cut_ids = self._cut_ids
         for i in range(len(ids) - 1, -1, -1):
             if ids[i] not in cut_ids:
                 continue
-            end = end_of(i)
-            if end is None or end < _MIN_REUSE_CHARS:
-                return
-            key = xxhash.xxh3_128_digest(text[:end].encode("utf-8", "surrogatepass"))
-            kept = array("I", ids[: i + 1])
-            with self._lock:
-                self._cache[key] = kept
-                self._cache.move_to_end(key)
-                while len(self._cache) > self._entries:
-                    self._cache.popitem(last=False)
-            return
+            end = offsets.end_of(i)
+            return None if end is None or end < _MIN_REUSE_CHARS else (end, i + 1)
+        return None
+
+    @staticmethod
+    def _last_newline_cut(text: str, offsets: _TailOffsets) -> tuple[int, int] | None:
+        """(cut char, tokens before it) of the last newline cut where a token starts, or None."""
+        end = len(text) - 1
+        while (end := text.rfind("\n", 0, end)) >= 0:
+            cut = end + 1
+            if cut < _MIN_REUSE_CHARS:
+                return None
+            if "!" <= text[cut] <= "~":
+                count = offsets.tokens_before(cut)
+                if count is not None:
+                    return cut, count
+        return None
+
+
+class _TailOffsets:
+    """Char offsets of ``ids`` when its tokens from ``head`` on are ``encoding``'s, which
+    encoded the text from char ``start`` (the tokens before ``head`` came from the cache)."""
+
+    __slots__ = ("encoding", "head", "start")
+
+    def __init__(self, encoding: Any, start: int, head: int) -> None:
+        self.encoding, self.start, self.head = encoding, start, head
+
+    def end_of(self, index: int) -> int | None:
+        if index < self.head:
+            return None
+        return self.start + self.encoding.token_to_chars(index - self.head)[1]
+
+    def tokens_before(self, char: int) -> int | None:
+        """How many tokens cover exactly ``text[:char]`` (None: no token starts at ``char``)."""
+        if char < self.start:
+            return None
+        token = self.encoding.char_to_token(char - self.start)
+        if token is None or self.encoding.token_to_chars(token)[0] != char - self.start:
+            return None
+        return self.head + token
 
 
 def _prefix_digests(text: str, ends: list[int]) -> list[bytes]:

@@ -25,6 +25,10 @@ __all__ = [
 _HIT_NAMES = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 _QUERY_NAMES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _SUCCESS_NAMES = ("vllm:request_success_total",)
+# the engine's own TTFT (arrival at the engine to first token): client TTFT minus it is what the
+# gateway, the client and the network added
+_TTFT_SUM = ("vllm:time_to_first_token_seconds_sum",)
+_TTFT_COUNT = ("vllm:time_to_first_token_seconds_count",)
 _ERROR_TEXT_LIMIT = 500
 
 
@@ -73,6 +77,8 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, f
         "hits": sum_samples(text, _HIT_NAMES),
         "queries": sum_samples(text, _QUERY_NAMES),
         "requests": sum_samples(text, _SUCCESS_NAMES),
+        "ttft_sum": sum_samples(text, _TTFT_SUM),
+        "ttft_count": sum_samples(text, _TTFT_COUNT),
     }
 
 

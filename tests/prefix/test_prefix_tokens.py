@@ -4,14 +4,15 @@ straddle cuts), over random multi-turn conversations."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from gateway.prefix.local_tokenizer import LocalTokenizer
-from gateway.prefix.prefix_tokens import PrefixTokens
+from gateway.prefix.prefix_tokens import PrefixTokens, newline_cuts_hold
 from loadtest.realvllm.model import _WORDS, build_tokenizer
 
 PIECES = [*_WORDS, "<|user|>", "<|assistant", "|>", "<", "<s>", "</s>", " ", "\n", "é", "🙂", "  ", "12"]
@@ -63,8 +64,102 @@ def test_added_tokens_across_a_cut_are_not_reused_wrongly(marker_dir: Path) -> N
     assert prefix.hits > 0
 
 
-def test_without_special_tokens_in_the_text_nothing_is_cached(tmp_path: Path) -> None:
-    tok = LocalTokenizer(build_tokenizer(tmp_path / "plain"))  # only <s> is special: no cut worth it
-    body = {"messages": [{"role": "user", "content": "stone " * 500}]}
-    assert tok.chat_tokens(body) == tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body))
-    assert tok.prefix.hits == 0
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tokenizer real vLLM serves the tiny Llama with: its chat markers are plain text."""
+    return build_tokenizer(tmp_path_factory.mktemp("tiny-plain"))
+
+
+def test_text_markers_are_cut_before_the_character_after_a_newline(plain_dir: Path) -> None:
+    """Without special tokens in the template, a next turn still starts from the previous
+    turn's tokens (cut after its last newline) and equals a full encode."""
+    tok = LocalTokenizer(plain_dir)
+    assert tok.prefix.enabled
+    rng = random.Random(11)
+    for conversation in range(12):
+        messages = [{"role": "system", "content": text(rng, rng.randint(100, 400))}]
+        for turn in range(6):
+            messages.append({"role": "user", "content": text(rng, rng.randint(1, 60))})
+            body = {"messages": messages}
+            assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (conversation, turn)
+            messages.append({"role": "assistant", "content": text(rng, rng.randint(0, 40))})
+    assert tok.prefix.hits >= 12 * 4
+
+
+# whitespace of every kind next to the newline, and what the split pattern treats specially
+NEWLINE_PIECES = [*PIECES, "\n", " \n", "\n\n", "\n ", "\r\n", "\t", "\n\t", "'s", "'ll", "\u00a0",
+                  "\u2028", "\u3000", "x\n", "9\n", ".\n", "\n.", "\n'", "\n9"]  # fmt: skip
+
+
+def _whitespace_bpe(rng: random.Random) -> Tokenizer:
+    """A byte-level BPE like the tiny Llama's, trained on text full of newlines and spaces, so
+    that it merges whitespace runs ("\n\n", " \n", "\n ") into tokens of their own: a cut
+    inside such a run then changes the tokens (the tiny Llama's corpus has no newline)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=["<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_noisy(rng, 40) for _ in range(2000)], trainer=trainer)
+    assert {"ĊĊ", "ĠĊ"} <= tok.get_vocab().keys()
+    return tok
+
+
+def _noisy(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(NEWLINE_PIECES) + rng.choice(["", " "]) for _ in range(n))
+
+
+def test_newline_cuts_equal_a_full_encode_whatever_follows(plain_dir: Path) -> None:
+    """An old text and a new one share everything up to a newline; what follows in each is
+    random (spaces, other newlines, apostrophes, digits, non-ASCII): the new text's tokens
+    from the cache equal a full encode every time, with a vocabulary that merges whitespace."""
+    rng = random.Random(3)
+    tokenizer = _whitespace_bpe(rng)
+    prefix = PrefixTokens(tokenizer, 64)
+
+    def noisy(n: int) -> str:
+        return _noisy(rng, n)
+
+    for _ in range(400):
+        base = noisy(rng.randint(150, 300)) + "\n"
+        old = base + noisy(rng.randint(0, 6))
+        assert prefix.encode(old) == full(tokenizer, old)
+        new = base + noisy(rng.randint(0, 12))
+        assert prefix.encode(new) == full(tokenizer, new), repr(new[-60:])
+    assert prefix.hits > 100
+
+
+def _variant(directory: Path, change) -> Tokenizer:
+    spec = json.loads(Tokenizer.from_file(str(directory / "tokenizer.json")).to_str())
+    change(spec)
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def test_no_newline_cuts_where_the_argument_does_not_hold(plain_dir: Path) -> None:
+    """A normalizer, another pre-tokenizer, a prefix space, an added token that strips the
+    whitespace before it: the newline is no cut there, and nothing is reused."""
+
+    def normalizer(spec: dict) -> None:
+        spec["normalizer"] = {"type": "NFKC"}
+
+    def metaspace(spec: dict) -> None:
+        spec["pre_tokenizer"] = {
+            "type": "Metaspace",
+            "replacement": "▁",
+            "prepend_scheme": "first",
+            "split": True,
+        }
+
+    def prefix_space(spec: dict) -> None:
+        spec["pre_tokenizer"]["add_prefix_space"] = True
+
+    variants = [_variant(plain_dir, c) for c in (normalizer, metaspace, prefix_space)]
+    stripping = Tokenizer.from_file(str(plain_dir / "tokenizer.json"))
+    stripping.add_special_tokens([AddedToken("<|user|>", special=True, lstrip=True)])
+    for tokenizer in [*variants, stripping]:
+        assert not newline_cuts_hold(tokenizer)
+        prefix = PrefixTokens(tokenizer, 64)
+        body = ("stone\nstone " * 100) + "\n<|user|>"
+        for tail in ("a", "b c", "\n<|user|>d"):
+            assert prefix.encode(body + tail) == full(tokenizer, body + tail)
+        assert prefix.hits == 0
