@@ -31,10 +31,8 @@ def full(tokenizer: Tokenizer, value: str) -> list[int]:
     return tokenizer.encode(value, add_special_tokens=False).ids
 
 
-def test_next_turns_reuse_the_previous_tokens_and_equal_a_full_encode(marker_dir: Path) -> None:
-    tok = LocalTokenizer(marker_dir)
-    assert tok.prefix.enabled
-    rng = random.Random(5)
+def _conversations(tok: LocalTokenizer, rng: random.Random) -> None:
+    """12 random six-turn conversations, each turn's tokens equal to a full encode."""
     for conversation in range(12):
         messages = [{"role": "system", "content": text(rng, rng.randint(100, 400))}]
         for turn in range(6):
@@ -42,6 +40,12 @@ def test_next_turns_reuse_the_previous_tokens_and_equal_a_full_encode(marker_dir
             body = {"messages": messages}
             assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (conversation, turn)
             messages.append({"role": "assistant", "content": text(rng, rng.randint(0, 40))})
+
+
+def test_next_turns_reuse_the_previous_tokens_and_equal_a_full_encode(marker_dir: Path) -> None:
+    tok = LocalTokenizer(marker_dir)
+    assert tok.prefix.enabled
+    _conversations(tok, random.Random(5))
     assert tok.prefix.hits >= 12 * 4  # nearly every next turn started from the previous one's cut
 
 
@@ -75,14 +79,7 @@ def test_text_markers_are_cut_before_the_character_after_a_newline(plain_dir: Pa
     turn's tokens (cut after its last newline) and equals a full encode."""
     tok = LocalTokenizer(plain_dir)
     assert tok.prefix.enabled
-    rng = random.Random(11)
-    for conversation in range(12):
-        messages = [{"role": "system", "content": text(rng, rng.randint(100, 400))}]
-        for turn in range(6):
-            messages.append({"role": "user", "content": text(rng, rng.randint(1, 60))})
-            body = {"messages": messages}
-            assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (conversation, turn)
-            messages.append({"role": "assistant", "content": text(rng, rng.randint(0, 40))})
+    _conversations(tok, random.Random(11))
     assert tok.prefix.hits >= 12 * 4
 
 
