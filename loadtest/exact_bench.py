@@ -286,7 +286,16 @@ def _row(
     local_s = summed("llm_gateway_prefix_local_tokenize_seconds_sum")
     local_n = summed("llm_gateway_prefix_local_tokenize_seconds_count")
     nan = float("nan")
+    ttfb_n = summed("llm_gateway_time_to_first_byte_seconds_count")
+    schedule_n = summed("llm_gateway_scheduling_duration_seconds_count")
     return {
+        # arrival at the gateway to its first byte out, and the scheduler's own time (means)
+        "gateway_ttfb_ms": 1000 * summed("llm_gateway_time_to_first_byte_seconds_sum") / ttfb_n
+        if ttfb_n
+        else nan,
+        "schedule_ms": 1000 * summed("llm_gateway_scheduling_duration_seconds_sum") / schedule_n
+        if schedule_n
+        else nan,
         "tokenize_ms": 1000 * tokenize_s / tokenize_n if tokenize_n else 0.0,
         "tokenize_calls": int(tokenize_n),
         "local_ms": 1000 * local_s / local_n if local_n else 0.0,
@@ -458,7 +467,9 @@ def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
             added = r["ttft_mean_ms"] - r["engine_ttft_mean_ms"]
             print(
                 f"{r['arm']}: mean TTFT {r['ttft_mean_ms']:.1f} ms = the engines' own "
-                f"{r['engine_ttft_mean_ms']:.1f} + {added:.1f} outside them (gateway, client, network)"
+                f"{r['engine_ttft_mean_ms']:.1f} + {added:.1f} outside them (gateway, client, network); "
+                f"the gateway's first byte {r['gateway_ttfb_ms']:.1f} ms after arrival, "
+                f"its scheduler {r['schedule_ms']:.2f} ms"
             )
     tail = steady_tail(rows, baseline)
     if tail:

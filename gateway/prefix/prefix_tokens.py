@@ -38,6 +38,8 @@ from tokenizers import Tokenizer
 __all__ = ["Plan", "PrefixTokens", "newline_cuts_hold"]
 
 _MIN_REUSE_CHARS = 512  # a shorter reusable prefix saves less than the lookup costs
+# the last cuts of a text looked up (a text of many short lines must not cost a hash per line)
+_MAX_CANDIDATES = 256
 _NEWLINE_CUT = re.compile("\n(?=[!-~])")  # a cut at the match's end: before the printable character
 
 
@@ -99,7 +101,7 @@ class PrefixTokens:
         ends = [m.end() for m in self._pattern.finditer(text)] if self._pattern is not None else []
         if self._newlines:
             ends = sorted({*ends, *(m.end() for m in _NEWLINE_CUT.finditer(text))})
-        return [e for e in ends if e >= _MIN_REUSE_CHARS]
+        return [e for e in ends[-_MAX_CANDIDATES:] if e >= _MIN_REUSE_CHARS]
 
     def plan(self, text: str) -> Plan:
         """Where ``text`` can start from a cached cut (cheap: one regex pass and one hash pass)."""
