@@ -38,8 +38,12 @@ from tokenizers import Tokenizer
 __all__ = ["Plan", "PrefixTokens", "newline_cuts_hold"]
 
 _MIN_REUSE_CHARS = 512  # a shorter reusable prefix saves less than the lookup costs
-# the last cuts of a text looked up (a text of many short lines must not cost a hash per line)
-_MAX_CANDIDATES = 256
+# a text's last newline cuts looked up (8k short lines must not cost 8k hashes on the loop); a
+# next turn that adds more lines than this after the previous turn's cut is encoded whole
+_MAX_NEWLINE_CANDIDATES = 2048
+# newline cuts tried, from the end, when a text's tokens are kept (each asks the encoding where
+# a token starts: a scan of its tokens)
+_MAX_NEWLINE_TRIES = 8
 _NEWLINE_CUT = re.compile("\n(?=[!-~])")  # a cut at the match's end: before the printable character
 
 
@@ -100,8 +104,9 @@ class PrefixTokens:
         """Every place ``text`` may be cut at, ascending."""
         ends = [m.end() for m in self._pattern.finditer(text)] if self._pattern is not None else []
         if self._newlines:
-            ends = sorted({*ends, *(m.end() for m in _NEWLINE_CUT.finditer(text))})
-        return [e for e in ends[-_MAX_CANDIDATES:] if e >= _MIN_REUSE_CHARS]
+            newline_ends = [m.end() for m in _NEWLINE_CUT.finditer(text)]
+            ends = sorted({*ends, *newline_ends[-_MAX_NEWLINE_CANDIDATES:]})
+        return [e for e in ends if e >= _MIN_REUSE_CHARS]
 
     def plan(self, text: str) -> Plan:
         """Where ``text`` can start from a cached cut (cheap: one regex pass and one hash pass)."""
@@ -173,7 +178,7 @@ class PrefixTokens:
     def _last_added_cut(self, ids: list[int], offsets: _TailOffsets) -> tuple[int, int] | None:
         """(end char, tokens up to and with it) of the last added-token cut, or None."""
         cut_ids = self._cut_ids
-        for i in range(len(ids) - 1, -1, -1):
+        for i in range(len(ids) - 1, offsets.head - 1, -1):  # those before head: already cached
             if ids[i] not in cut_ids:
                 continue
             end = offsets.end_of(i)
@@ -183,12 +188,13 @@ class PrefixTokens:
     @staticmethod
     def _last_newline_cut(text: str, offsets: _TailOffsets) -> tuple[int, int] | None:
         """(cut char, tokens before it) of the last newline cut where a token starts, or None."""
-        end = len(text) - 1
-        while (end := text.rfind("\n", 0, end)) >= 0:
+        end, tries = len(text) - 1, _MAX_NEWLINE_TRIES
+        while tries and (end := text.rfind("\n", 0, end)) >= 0:
             cut = end + 1
             if cut < _MIN_REUSE_CHARS:
                 return None
             if "!" <= text[cut] <= "~":
+                tries -= 1
                 count = offsets.tokens_before(cut)
                 if count is not None:
                     return cut, count
@@ -210,11 +216,21 @@ class _TailOffsets:
         return self.start + self.encoding.token_to_chars(index - self.head)[1]
 
     def tokens_before(self, char: int) -> int | None:
-        """How many tokens cover exactly ``text[:char]`` (None: no token starts at ``char``)."""
-        if char < self.start:
+        """How many tokens cover exactly ``text[:char]`` (None: no token boundary there).
+
+        A token must start at ``char`` and the one before end there: a post-processor's
+        ``trim_offsets`` moves a whitespace-led token's start past its whitespace, and only
+        shrinks spans, so the two together still prove the boundary (tokens tile the text)."""
+        at = char - self.start
+        if at <= 0:
             return None
-        token = self.encoding.char_to_token(char - self.start)
-        if token is None or self.encoding.token_to_chars(token)[0] != char - self.start:
+        encoding = self.encoding
+        token = encoding.char_to_token(at)
+        if (
+            not token
+            or encoding.token_to_chars(token)[0] != at
+            or encoding.token_to_chars(token - 1)[1] != at
+        ):
             return None
         return self.head + token
 

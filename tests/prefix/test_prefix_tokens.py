@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers
 
 from gateway.prefix.local_tokenizer import LocalTokenizer
 from gateway.prefix.prefix_tokens import PrefixTokens, newline_cuts_hold
@@ -106,24 +106,40 @@ def _noisy(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(NEWLINE_PIECES) + rng.choice(["", " "]) for _ in range(n))
 
 
-def test_newline_cuts_equal_a_full_encode_whatever_follows(plain_dir: Path) -> None:
-    """An old text and a new one share everything up to a newline; what follows in each is
-    random (spaces, other newlines, apostrophes, digits, non-ASCII): the new text's tokens
-    from the cache equal a full encode every time, with a vocabulary that merges whitespace."""
-    rng = random.Random(3)
-    tokenizer = _whitespace_bpe(rng)
+def _fuzz(tokenizer: Tokenizer, rng: random.Random, pairs: int = 400) -> PrefixTokens:
+    """Old and new texts sharing everything up to a newline, random after it in each: the new
+    text's tokens from the cache equal a full encode every time."""
     prefix = PrefixTokens(tokenizer, 64)
-
-    def noisy(n: int) -> str:
-        return _noisy(rng, n)
-
-    for _ in range(400):
-        base = noisy(rng.randint(150, 300)) + "\n"
-        old = base + noisy(rng.randint(0, 6))
+    for _ in range(pairs):
+        base = _noisy(rng, rng.randint(150, 300)) + "\n"
+        old = base + _noisy(rng, rng.randint(0, 6))
         assert prefix.encode(old) == full(tokenizer, old)
-        new = base + noisy(rng.randint(0, 12))
-        assert prefix.encode(new) == full(tokenizer, new), repr(new[-60:])
-    assert prefix.hits > 100
+        new = base + _noisy(rng, rng.randint(0, 12))
+        assert prefix.encode(new) == full(tokenizer, new), (repr(old[-40:]), repr(new[-60:]))
+    return prefix
+
+
+def test_newline_cuts_equal_a_full_encode_whatever_follows() -> None:
+    """Spaces, other newlines, apostrophes, digits, non-ASCII after the newline, with a
+    vocabulary that merges whitespace runs."""
+    rng = random.Random(3)
+    assert _fuzz(_whitespace_bpe(rng), rng).hits > 100
+
+
+def test_trimmed_offsets_do_not_hide_a_newline(plain_dir: Path) -> None:
+    """With ``trim_offsets`` a token "\\n<" (an added token that is normalized, so no cut of its
+    own) reports its start after the newline: kept as a cut there, the cached ids lost the
+    newline (found by review). The token before a cut must end at it too."""
+    tokenizer = Tokenizer.from_file(str(plain_dir / "tokenizer.json"))
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    tokenizer.add_tokens(["\n<"])
+    assert newline_cuts_hold(tokenizer)
+    prefix = PrefixTokens(tokenizer, 64)
+    base = "stone " * 90
+    for old, new in ((base + "\n<", base + "\nx"), (base + "\nx\n<", base + "\nx\ny")):
+        assert prefix.encode(old) == full(tokenizer, old)
+        assert prefix.encode(new) == full(tokenizer, new)
+    assert _fuzz(tokenizer, random.Random(4)).hits > 50
 
 
 def _variant(directory: Path, change) -> Tokenizer:
