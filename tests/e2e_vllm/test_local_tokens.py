@@ -101,6 +101,44 @@ async def test_local_tokens_equal_the_prompt_the_engine_ran(
         assert local.chat_tokens(json.loads(json.dumps(body))) == answer["prompt_token_ids"], body
 
 
+async def test_next_turns_from_the_previous_turns_tokens_equal_vllm_tokenize(fleet: Fleet, http) -> None:
+    """The served model's chat markers are plain text: a next turn reuses the previous turn's
+    tokens up to its last newline cut (``prefix_tokens.py``). Each turn of conversations whose
+    messages hold newlines, blank lines, indents, apostrophes, digits and non-ASCII text equals
+    the engine's own ``/tokenize``, and most turns did reuse."""
+    tok = LocalTokenizer(Path(ensure_model()))
+    rng = random.Random(21)
+    pieces = [
+        "arch",
+        "stone's",
+        "12",
+        "\n",
+        "\n\n",
+        " \n",
+        "\n  ",
+        "\tx",
+        "é",
+        "漢字",
+        "🙂",
+        "<|user|>",
+        "a\nb",
+        "!",
+    ]
+    turns = 0
+    for conversation in range(6):
+        messages = [{"role": "system", "content": document(conversation)}]
+        for _turn in range(5):
+            words = " ".join(rng.choice(pieces) for _ in range(rng.randint(3, 40)))
+            messages.append({"role": "user", "content": words})
+            body = {"messages": messages}
+            assert tok.chat_tokens(body) == await engine_tokens(http, fleet.urls[0], body), body
+            turns += 1
+            messages.append({"role": "assistant", "content": " ".join(rng.choice(pieces) for _ in range(9))})
+    assert tok.prefix.hits >= turns - 6 - 3, (
+        tok.prefix.hits
+    )  # every turn after a conversation's first, nearly
+
+
 async def test_what_vllm_refuses_the_local_path_refuses(fleet: Fleet, http, local: LocalTokenizer) -> None:
     body = {
         "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
