@@ -37,7 +37,7 @@ from gateway.fleet.endpoint import Endpoint, Role
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.state import STATE, GatewayState
 from gateway.proxy.sse import error_event
-from gateway.request.parse import CHAIN_SOURCE, default_session_sources, session_key
+from gateway.request.parse import CHAIN_SOURCE, session_key, session_sources
 from gateway.request.types import ApiKind, InferenceRequest
 from gateway.sessions.responses import ResponseRecord
 
@@ -164,11 +164,7 @@ async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endp
         return None
     caller = _caller(state, request.tenant)  # set by the auth's authorize before this is called
     record = await _record(state, previous, request.request_id, "previous_response_id", caller)
-    options = state.parse_options
-    sources = options.session_sources or default_session_sources(
-        options.session_header, options.session_body_fields
-    )
-    if request.session_id is None and CHAIN_SOURCE in sources:
+    if request.session_id is None and CHAIN_SOURCE in session_sources(state.parse_options):
         request.session_id = record.chain  # a previous_response_id chain is one session
     return _replica(state, record, previous)
 

@@ -31,6 +31,7 @@ __all__ = [
     "default_session_sources",
     "parse_request",
     "session_key",
+    "session_sources",
 ]
 
 _PRIORITY_NAMES = [p.value for p in Priority]
@@ -71,7 +72,8 @@ class ParseOptions:
 DEFAULT_OPTIONS = ParseOptions()
 
 
-def _sources(options: ParseOptions) -> tuple[str, ...]:
+def session_sources(options: ParseOptions) -> tuple[str, ...]:
+    """Where a request's session id is looked for, in order: configured, or the defaults."""
     return options.session_sources or default_session_sources(
         options.session_header, options.session_body_fields
     )
@@ -100,7 +102,7 @@ def _split_sources(sources: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 
 def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: ParseOptions) -> str | None:
-    for kind, name in _split_sources(_sources(options)):
+    for kind, name in _split_sources(session_sources(options)):
         if kind == CHAIN_SOURCE:
             if isinstance(body.get(CHAIN_SOURCE), str):
                 return None  # the chain's session: looked up by the handler
