@@ -54,6 +54,7 @@ from loadtest.harness.fleet import start_replicas, stop_all
 from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
 from loadtest.hit_ceiling import Sent, ceiling, engine_tokens
 from loadtest.realvllm.model import _WORDS, build_tokenizer
+from loadtest.report import nearest_rank
 
 MODEL = "sim-llama"
 # real replicas: 2,048 tokens of context, 24 generated; a word of the workload is about a token,
@@ -269,8 +270,8 @@ def _row(
     prediction error and token waits (``predicts``: only where a gateway predicted).
 
     ``steady_ttfts`` leaves out the first ``warmup`` requests: every arm starts on emptied
-    caches with ``--concurrency`` misses at once, the same for every arm, and with 150
-    requests those few are the p99 whatever the routing does."""
+    caches with ``--concurrency`` misses at once, the same for every arm (measured on real
+    vLLM: not where the slowest requests are, but no part of the steady state either)."""
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
     served = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
@@ -307,9 +308,9 @@ def _row(
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
         "engine_ttft_mean_ms": 1000 * engine_ttft_s / engine_ttft_n if engine_ttft_n else nan,
-        "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "ttft_p99_ms": 1000 * nearest_rank(ttfts, 0.99),
         "steady_ttfts": [r.ttft for r in results if r.turn >= warmup],
-        # the slowest 2 %: which turns they were (early ones: the cold start every arm has)
+        # the slowest 2 %: which turns they were (early ones would be the cold start)
         "slowest_turns": [
             r.turn for r in sorted(results, key=lambda r: -r.ttft)[: max(1, len(results) // 50)]
         ],
@@ -350,10 +351,6 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def steady_tail(rows: list[dict[str, Any]], baseline: str, resamples: int = 2000) -> list[dict[str, Any]]:
     """Per arm, TTFT after the warm-up pooled over every round: p50, p90, p99, and the p99 as
     a ratio to ``baseline``'s with a 90 % bootstrap interval (both arms' requests resampled
@@ -368,19 +365,19 @@ def steady_tail(rows: list[dict[str, Any]], baseline: str, resamples: int = 2000
         if not ttfts or not base_ttfts:
             continue
         ratios = sorted(
-            _quantile(sorted(rng.choices(ttfts, k=len(ttfts))), 0.99)
-            / _quantile(sorted(rng.choices(base_ttfts, k=len(base_ttfts))), 0.99)
+            nearest_rank(sorted(rng.choices(ttfts, k=len(ttfts))), 0.99)
+            / nearest_rank(sorted(rng.choices(base_ttfts, k=len(base_ttfts))), 0.99)
             for _ in range(resamples)
         )
         out.append(
             {
                 "arm": r["arm"],
                 "requests": len(ttfts),
-                "p50_ms": 1000 * _quantile(ttfts, 0.50),
-                "p90_ms": 1000 * _quantile(ttfts, 0.90),
-                "p99_ms": 1000 * _quantile(ttfts, 0.99),
-                "p99_ratio": _quantile(ttfts, 0.99) / _quantile(sorted(base_ttfts), 0.99),
-                "p99_ratio_ci": (_quantile(ratios, 0.05), _quantile(ratios, 0.95)),
+                "p50_ms": 1000 * nearest_rank(ttfts, 0.50),
+                "p90_ms": 1000 * nearest_rank(ttfts, 0.90),
+                "p99_ms": 1000 * nearest_rank(ttfts, 0.99),
+                "p99_ratio": nearest_rank(ttfts, 0.99) / nearest_rank(sorted(base_ttfts), 0.99),
+                "p99_ratio_ci": (nearest_rank(ratios, 0.05), nearest_rank(ratios, 0.95)),
             }
         )
     return out

@@ -27,6 +27,12 @@ __all__ = [
 ]
 
 
+def nearest_rank(sorted_values: list[float], q: float) -> float:
+    """The value at rank ``q`` (0–1) of already sorted, non-empty values, without interpolation
+    (cheap enough for a bootstrap's thousands of resamples)."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default method); None when empty."""
     if not values:

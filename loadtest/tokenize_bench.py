@@ -33,6 +33,7 @@ import aiohttp
 from gateway.prefix.local_tokenizer import LocalTokenizer
 from loadtest.harness.fleet import start_replicas, stop_all
 from loadtest.realvllm.model import _WORDS, build_tokenizer
+from loadtest.report import nearest_rank
 
 
 def body(tok: LocalTokenizer, target: int, seed: int) -> dict[str, Any]:
@@ -50,8 +51,7 @@ def body(tok: LocalTokenizer, target: int, seed: int) -> dict[str, Any]:
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return nearest_rank(sorted(values), q)
 
 
 async def measure(args: argparse.Namespace, url: str, tok: LocalTokenizer) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 __all__ = ["Plan", "PrefixTokens", "newline_cuts_hold"]
 
@@ -61,6 +61,11 @@ class Plan:
     def remaining(self, text: str) -> int:
         """Characters still to encode."""
         return len(text) - self.end + len(self.cut)
+
+
+def _newline_cut_at(text: str, cut: int) -> bool:
+    """Whether ``cut`` follows a newline and precedes a printable ASCII character."""
+    return 0 < cut < len(text) and text[cut - 1] == "\n" and "!" <= text[cut] <= "~"
 
 
 def newline_cuts_hold(tokenizer: Tokenizer) -> bool:
@@ -121,7 +126,7 @@ class PrefixTokens:
                 continue
             hit, newline = entry
             if newline:
-                if end < len(text) and "!" <= text[end] <= "~" and not self._straddled(text, end):
+                if _newline_cut_at(text, end) and not self._straddled(text, end):
                     return Plan(hit, end, "")
                 continue
             cut = self._cut_ids.get(hit[-1])
@@ -193,7 +198,7 @@ class PrefixTokens:
             cut = end + 1
             if cut < _MIN_REUSE_CHARS:
                 return None
-            if "!" <= text[cut] <= "~":
+            if _newline_cut_at(text, cut):
                 tries -= 1
                 count = offsets.tokens_before(cut)
                 if count is not None:
@@ -207,7 +212,7 @@ class _TailOffsets:
 
     __slots__ = ("encoding", "head", "start")
 
-    def __init__(self, encoding: Any, start: int, head: int) -> None:
+    def __init__(self, encoding: Encoding, start: int, head: int) -> None:
         self.encoding, self.start, self.head = encoding, start, head
 
     def end_of(self, index: int) -> int | None:
