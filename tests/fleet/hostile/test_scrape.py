@@ -68,4 +68,5 @@ async def test_a_metrics_page_with_many_engine_ranks_does_not_freeze_the_event_l
         before = loop.time()
         await asyncio.sleep(0.01)
         worst = max(worst, loop.time() - before - 0.01)
-    assert worst < 0.5, f"the event loop stalled for {worst:.2f}s while scraping one endpoint"
+    # the old per-rank re-parse held the loop 2.5 s a scrape; a loaded CI host has shown 0.56 s
+    assert worst < 1.0, f"the event loop stalled for {worst:.2f}s while scraping one endpoint"
