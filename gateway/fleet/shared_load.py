@@ -8,9 +8,11 @@ set here), and :meth:`SharedLoad.refresh` puts the sum of every worker's cells b
 the fields. Between refreshes a field is the last sum plus this worker's own changes since,
 so a worker always sees its own sends at once and its siblings' within ``interval_s``.
 
-The refresh runs on the request path (before admission and before scheduling) and costs
-one ``struct`` read per endpoint, at most once per ``interval_s``; the hooks' per-request
-cost stays O(1): one more cell write per counter.
+The refresh runs on the request path and costs one ``struct`` read per endpoint: before
+admission at most once per ``interval_s``, before scheduling always (``force``) — within a
+throttle window a sibling's request that had just ended still counted, and its client's next
+turn, already here, moved its session off its replica. Scheduling is O(endpoints) anyway;
+the hooks' per-request cost stays O(1): one more cell write per counter.
 """
 
 from __future__ import annotations

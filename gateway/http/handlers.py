@@ -99,7 +99,9 @@ async def _route(
     ticket = await state.admission.admit(request)
     try:
         if shared is not None:
-            shared.refresh()
+            # Always, not throttled: a sibling's request that ended a moment ago (its client
+            # already sending the next turn here) must not count against its replica.
+            shared.refresh(force=True)
         candidates = [stored] if stored is not None else _candidates(state, request.model)
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)

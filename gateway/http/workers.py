@@ -8,6 +8,7 @@ Shared: per-endpoint in-flight requests, in-flight prompt tokens and pending pre
 (:class:`~gateway.fleet.shared_load.SharedLoad`); with the memory prefix index, what each
 worker records (:class:`~gateway.prefix.broadcast.BroadcastPrefixIndex`; the Redis index
 and the exact index from KV events are shared already); with the memory session store, the
+session pins (:class:`~gateway.sessions.session_broadcast.BroadcastSessionStore`) and the
 Responses API's records (:class:`~gateway.sessions.response_broadcast.BroadcastResponseStore`);
 breaker states
 (:class:`~gateway.proxy.shared_breakers.SharedBreakerStates`); admin API changes
@@ -38,6 +39,8 @@ from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.proxy.shared_breakers import SharedBreakerStates
 from gateway.sessions.response_broadcast import BroadcastResponseStore
 from gateway.sessions.responses import MemoryResponseStore
+from gateway.sessions.session_broadcast import BroadcastSessionStore
+from gateway.sessions.store import MemorySessionStore
 
 __all__ = ["WORKER_HEADER", "WorkerSlot", "attach_worker"]
 
@@ -67,6 +70,7 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
     shared.refresh(force=True)
     index = _share_prefix_records(state, slot)
     responses = _share_response_records(state, slot)
+    pins = _share_session_pins(state, slot)
     admin = state.admin_share = AdminShare(state, slot.directory, slot.index, slot.table.workers)
     metrics = state.metrics_share = MetricsShare(
         state.metrics.registry, slot.directory, slot.index, slot.table.workers
@@ -81,6 +85,8 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
             index.start()
         if responses is not None:
             responses.start()
+        if pins is not None:
+            pins.start()
         admin.listen()
         await metrics.start()
         restarts = state.metrics.task_restarts
@@ -104,6 +110,8 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
             await index.close()
         if responses is not None:
             await responses.close()
+        if pins is not None:
+            await pins.close()
 
     app.on_response_prepare.append(name_worker)
     app.cleanup_ctx.append(lifetime)
@@ -136,6 +144,23 @@ def _share_response_records(state: GatewayState, slot: WorkerSlot) -> BroadcastR
     workers = slot.table.workers
     store = BroadcastResponseStore(local, slot.directory, slot.index, workers, _dropped(state, "response"))
     state.sessions.responses = store
+    return store
+
+
+def _share_session_pins(state: GatewayState, slot: WorkerSlot) -> BroadcastSessionStore | None:
+    """With the memory store: a session moved by one worker is found moved by the others."""
+    sessions = state.sessions
+    if not isinstance(sessions.store, MemorySessionStore):  # Redis: every worker reads the same pins
+        return None
+    store = BroadcastSessionStore(
+        sessions.store,
+        sessions.placement,
+        slot.directory,
+        slot.index,
+        slot.table.workers,
+        _dropped(state, "session"),
+    )
+    sessions.store = store
     return store
 
 

@@ -9,11 +9,16 @@ is full, or that is gone, costs a counted failure (``send`` returns how many), n
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["SiblingSocket"]
+__all__ = ["SiblingMessages", "SiblingSocket"]
+
+log = logging.getLogger(__name__)
 
 _MAX_READS = 256  # datagrams per readable event: other work gets the loop between batches
 
@@ -62,3 +67,47 @@ class SiblingSocket:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+
+
+class SiblingMessages:
+    """Small JSON objects to and from the sibling workers, over a :class:`SiblingSocket`.
+
+    What a sibling did not get (full buffer, gone, or too large to send) is counted through
+    ``on_drop``; a datagram ``receive`` or JSON rejects (``KeyError``, ``TypeError``, ``ValueError``,
+    ``RecursionError``) is logged and dropped: only siblings can write here, so it is a bug, never a crash.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        kind: str,
+        worker: int,
+        workers: int,
+        max_bytes: int,
+        on_drop: Callable[[], None] | None = None,
+    ) -> None:
+        self._kind = kind
+        self._socket = SiblingSocket(directory, kind, worker, workers, max_bytes)
+        self._on_drop = on_drop
+
+    def listen(self, receive: Callable[[dict[str, Any]], None]) -> None:
+        def decoded(datagram: bytes) -> None:
+            try:
+                message = json.loads(datagram)
+                if not isinstance(message, dict):
+                    raise TypeError("not an object")
+                receive(message)
+            except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deep JSON
+                log.warning("%s broadcast: a malformed datagram was dropped", self._kind)
+
+        self._socket.listen(decoded)
+
+    def send(self, message: dict[str, Any]) -> None:
+        datagram = json.dumps(message, separators=(",", ":")).encode()
+        failed = self._socket.send(datagram) if len(datagram) <= self._socket.max_bytes else 1
+        if failed and self._on_drop is not None:
+            for _ in range(failed):
+                self._on_drop()
+
+    def close(self) -> None:
+        self._socket.close()

@@ -49,7 +49,7 @@ async def test_garbage_on_sibling_sockets_leaves_workers_serving_and_sharing(sta
                 b"\xff\xfe",
             ]
             for w in range(2):
-                for kind in ("prefix", "admin"):
+                for kind in ("prefix", "admin", "responses", "sessions"):
                     path = os.path.join(directory, f"{kind}-{w}.sock")
                     if not os.path.exists(path):
                         continue

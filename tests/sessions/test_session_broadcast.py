@@ -1,0 +1,65 @@
+"""Two workers' session stores over real unix datagram sockets (``--workers`` without Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from gateway.sessions.placement import SessionPlacement
+from gateway.sessions.session_broadcast import BroadcastSessionStore
+from gateway.sessions.store import MemorySessionStore
+
+
+async def _until(check, within_s: float = 2.0) -> bool:
+    for _ in range(int(within_s / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_dropped(tmp_path, caplog):
+    placements = [SessionPlacement(60, 100), SessionPlacement(60, 100)]
+    stores = [
+        BroadcastSessionStore(MemorySessionStore(60, 100), placements[worker], str(tmp_path), worker, 2)
+        for worker in (0, 1)
+    ]
+    for store in stores:
+        store.start()
+    try:
+        stores[0].pin("session-a", "replica-a:8000")
+        stores[0].pin("session-b", "replica-a:8000")
+        assert await _until(lambda: stores[1].local.get_now("session-b") is not None)
+        assert await stores[1].get("session-a") == "replica-a:8000"
+        assert placements[1].live("replica-a:8000") == 2  # session-balance sees the sibling's sessions
+        stores[1].pin("session-a", "replica-b:8000")  # moved by the other worker
+        assert await _until(lambda: stores[0].local.get_now("session-a") == "replica-b:8000")
+        assert placements[0].live("replica-b:8000") == 1
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:  # not a sibling's message
+            target = os.path.join(str(tmp_path), "sessions-1.sock")
+            for junk in (b"\xff\x00", b"[]", b'{"s": 5, "e": "r"}', b'{"s": "x"}', b"[" * 4000):
+                raw.sendto(junk, target)
+        stores[0].pin("session-c", "replica-c:8000")  # after the junk: still delivered
+        assert await _until(lambda: stores[1].local.get_now("session-c") == "replica-c:8000")
+        assert await stores[1].get("x") is None
+        assert stores[1].local.get_now("session-a") == "replica-b:8000"  # the junk changed nothing
+        assert sum("malformed datagram" in r.getMessage() for r in caplog.records) == 5
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_a_sibling_that_is_gone_costs_a_counted_drop_not_a_failed_pin(tmp_path):
+    dropped: list[int] = []
+    store = BroadcastSessionStore(
+        MemorySessionStore(60, 100), SessionPlacement(60, 100), str(tmp_path), 0, 2, lambda: dropped.append(1)
+    )
+    store.start()
+    try:
+        store.pin("session-a", "replica-a:8000")  # worker 1 never bound its socket
+        assert await store.get("session-a") == "replica-a:8000"
+        assert dropped == [1]
+    finally:
+        await store.close()
