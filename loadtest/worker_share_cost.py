@@ -2,8 +2,9 @@
 
     python -m loadtest.worker_share_cost
 
-Prints, best of 5: one hook write to the shared load cells; the refresh that sums every row
-back into the endpoints (4 and 64 endpoints) and the refresh skipped within its millisecond;
+Prints, best of 5: one hook write to the shared load cells; the refresh that sums the rows
+back into the endpoints (4 and 64 endpoints: no row changed since the last refresh, one,
+every one; the writes' own cost taken out) and the refresh skipped within its millisecond;
 encoding, decoding and applying one prefix record of 128 blocks (an 8 KB prompt); and the
 CPU of sending such records one per datagram between two real buses (no batching: the worst
 case). Everything lives in a temporary directory; nothing is listened on but unix sockets.
@@ -42,11 +43,20 @@ def _load(directory: str) -> None:
         registry = EndpointRegistry(Endpoint(url, configured_models=frozenset({"m"})) for url in urls)
         shared = SharedLoad(WorkerTable(create_table(sub, 1024, 2), 0), registry)
         shared.refresh(force=True)
-        cell = next(iter(registry)).shared_load
-        full = _best_us("shared.refresh(force=True)", 2000, shared=shared)
-        skipped = _best_us("shared.refresh()", 20000, shared=shared)
+        cells = [endpoint.shared_load for endpoint in registry]
+        cell = cells[0]
         write = _best_us("cell.add(1, 100)", 200000, cell=cell)
-        print(f"{fleet} endpoints: refresh {full:.2f} us, skipped {skipped:.3f} us; write {write:.3f} us")
+        unchanged = _best_us("shared.refresh(force=True)", 20000, shared=shared)
+        one = _best_us("cell.add(1, 100); shared.refresh(force=True)", 5000, shared=shared, cell=cell)
+        every = _best_us(
+            "for c in cells: c.add(1, 100)\nshared.refresh(force=True)", 1000, shared=shared, cells=cells
+        )
+        skipped = _best_us("shared.refresh()", 20000, shared=shared)
+        print(
+            f"{fleet} endpoints: refresh with no row changed {unchanged:.2f} us, one row changed"
+            f" {one - write:.2f} us, every row changed {every - fleet * write:.2f} us;"
+            f" skipped {skipped:.3f} us; write {write:.3f} us"
+        )
 
 
 def _records() -> None:

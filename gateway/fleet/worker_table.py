@@ -207,6 +207,22 @@ class WorkerTable:
         )
         return sum(values[0::_LOAD]), sum(values[1::_LOAD]), sum(values[2::_LOAD])
 
+    @property
+    def load_row_bytes(self) -> int:
+        """The size of one row's load cells (every worker's) in :meth:`load_snapshot`."""
+        return 8 * self.spec.workers * _LOAD
+
+    def load_snapshot(self, rows: int) -> bytes:
+        """The load cells of the first ``rows`` rows, copied at once: a reader compares them
+        with its last copy and sums only the rows that changed (:meth:`snapshot_load`)."""
+        start = 8 * self._load_at
+        return self._bytes[start : start + rows * self.load_row_bytes].tobytes()
+
+    def snapshot_load(self, snapshot: bytes, row: int) -> tuple[float, float, float]:
+        """:meth:`row_load`, read from a :meth:`load_snapshot`."""
+        values = self._row_format.unpack_from(snapshot, row * self.load_row_bytes)
+        return sum(values[0::_LOAD]), sum(values[1::_LOAD]), sum(values[2::_LOAD])
+
     # ---- breaker -------------------------------------------------------------------
     def breaker(self, row: int) -> BreakerCell:
         at = self._breaker_at + row * _BREAKER

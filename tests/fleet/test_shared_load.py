@@ -6,6 +6,8 @@ objects, as real workers have); the cross-process behaviour is in tests/web/test
 
 from __future__ import annotations
 
+import random
+
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.registry import EndpointRegistry
 from gateway.fleet.shared_load import SharedLoad
@@ -61,3 +63,34 @@ def test_a_replaced_endpoint_object_shares_its_names_row(tmp_path):
     shared.refresh(force=True)
     new = registry.get("http://a:1")
     assert new.shared_load is old.shared_load and new.in_flight == 1
+
+
+def test_a_refresh_sums_only_changed_rows_and_never_misses_a_change(tmp_path):
+    """The refresh compares the table with its last copy: rows nobody wrote keep their fields
+    (the last sum plus this worker's own changes); any written row, by any worker, is re-summed
+    (one by one while few changed, all of them past eight). Random sends and ends by both
+    workers, with 1 to ~60 of them between refreshes: every refreshed view equals the sums."""
+    urls = [f"http://r{i}:1" for i in range(12)]
+    spec = create_table(str(tmp_path), rows=16, workers=2)
+    workers = [_worker(spec, 0, urls), _worker(spec, 1, urls)]
+    running: list[list[int]] = [[0] * len(urls), [0] * len(urls)]  # per worker, per endpoint
+    rng = random.Random(7)
+    for _ in range(5000):
+        w = rng.randrange(2)
+        shared, registry = workers[w]
+        i = rng.randrange(len(urls))
+        endpoint = registry.get(urls[i])
+        if rng.random() < 0.06:
+            shared.refresh(force=True)
+            for j, url in enumerate(urls):
+                mine = registry.get(url)
+                assert mine.in_flight == running[0][j] + running[1][j], (j, running)
+                assert mine.in_flight_tokens == 10 * mine.in_flight
+        elif running[w][i] and rng.random() < 0.5:  # a request ends (InFlightHook.on_done)
+            running[w][i] -= 1
+            endpoint.in_flight -= 1
+            endpoint.shared_load.add(-1, -10)
+        else:  # a request is sent
+            running[w][i] += 1
+            endpoint.in_flight += 1
+            endpoint.shared_load.add(1, 10)
