@@ -1,13 +1,13 @@
 """Many concurrent open streams through one gateway process, against the same upstream direct.
 
-    python -m loadtest.streams_bench [--streams 1000,5000,9000] [--interval-ms 2000]
+    python -m loadtest.streams_bench [--streams 1000,5000,9000] [--interval-ms 2000] [--workers 1]
 
 The upstream is ``loadtest.zero_upstream --chunk-interval-ms``: each stream is 8 SSE events
 one interval apart, then ``[DONE]`` (timers, no per-stream task, so the upstream is not
 what limits). The client (this process) opens the streams over ``--ramp-s`` seconds on
 raw asyncio connections (one request each) and timestamps every read that carries events;
 the same count of streams goes first straight to the upstream (the baseline), then through
-one ``llm-gateway serve`` process (round-robin, one worker). Reported per run: streams
+one ``llm-gateway serve`` (round-robin, ``--workers``, one by default). Reported per run: streams
 completed / failed, time to first event p50/p99, the gap between events p50/p99 (ideally
 the interval; the table also gives the gateway's p99 gap as a ratio of direct's), and the
 gateway's RSS before and at peak.
@@ -15,6 +15,7 @@ gateway's RSS before and at peak.
 Why at most ~9,000 here: the machine's hard ``RLIMIT_NOFILE`` is 20,000 and cannot be raised
 (``ulimit -Hn``); a proxied stream holds two descriptors in the gateway (client + upstream),
 so one gateway process cannot hold 10,000 streams on this box whatever its code does.
+``--workers 2`` splits them over two processes (about 5,000 each): the gateway as a whole.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 from loadtest.harness.fleet import start_gateway, stop_all
 from loadtest.harness.ports import free_port
 from loadtest.harness.processes import ManagedProcess, spawn, wait_ready
-from loadtest.harness.procfs import rss_kib
+from loadtest.harness.procfs import process_tree, rss_kib
 from loadtest.report import percentile
 
 __all__ = ["main"]
@@ -95,16 +96,21 @@ async def _stream(host: str, port: int, run: Run, timeout_s: float) -> None:
         run.errors[key] = run.errors.get(key, 0) + 1
 
 
+def _tree_rss_kib(pid: int) -> int:
+    """The gateway's resident memory: its process and, with ``--workers``, every worker."""
+    return sum(rss_kib(p) or 0 for p in process_tree(pid))
+
+
 async def _watch_rss(pid: int | None, peak: list[int], stop: asyncio.Event) -> None:
     while pid is not None and not stop.is_set():
-        peak[0] = max(peak[0], rss_kib(pid) or 0)
+        peak[0] = max(peak[0], _tree_rss_kib(pid))
         await asyncio.sleep(0.25)
 
 
 async def _run(url: str, streams: int, ramp_s: float, timeout_s: float, pid: int | None) -> dict[str, Any]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     run = Run()
-    before = rss_kib(pid) if pid else None
+    before = _tree_rss_kib(pid) if pid else None
     peak = [before or 0]
     stop = asyncio.Event()
     watcher = asyncio.ensure_future(_watch_rss(pid, peak, stop))
@@ -154,7 +160,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             direct["path"] = "direct"
             rows.append(direct)
             print(json.dumps(direct), file=sys.stderr, flush=True)
-            flags = ["--policy", "round-robin", "--config", str(config)]
+            flags = ["--policy", "round-robin", "--config", str(config), "--workers", str(args.workers)]
             gateway = await start_gateway([upstream.url], flags)
             try:
                 through = await _run(gateway.url, count, args.ramp_s, timeout_s, gateway.process.pid)
@@ -166,7 +172,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(through), file=sys.stderr, flush=True)
     finally:
         await stop_all([upstream])
-    return {"interval_ms": args.interval_ms, "ramp_s": args.ramp_s, "rows": rows}
+    return {"interval_ms": args.interval_ms, "ramp_s": args.ramp_s, "workers": args.workers, "rows": rows}
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1000,5000,9000")
     parser.add_argument("--interval-ms", type=float, default=2000.0)
     parser.add_argument("--ramp-s", type=float, default=6.0, help="open the streams over this long")
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (RSS: all of them)")
     parser.add_argument("--out", default="bench-results/streams")
     args = parser.parse_args(argv)
     from gateway.http.server import install_uvloop
