@@ -10,12 +10,17 @@ unix datagram (:class:`~gateway.ops.sibling_socket.SiblingMessages`), applied th
 store and to their live-session count per replica (``session-balance``), so N workers place
 and keep sessions as one process would. The pin is made at the answer's first byte, so the
 datagram is in the sibling's buffer before the client has the answer and can send its next
-turn. A full receive buffer drops it (counted): that worker then uses the hashed fallback,
-as before. With ``sessions.backend: redis`` the store is shared already and this is not used.
+turn. Each pin carries its ``time.monotonic()`` (one clock for the host's processes): a
+sibling applies it only if newer than its own, so two workers pinning one session at once
+agree on the later pin. A full receive buffer drops it (counted): that worker then uses the
+hashed fallback, as before. With ``sessions.backend: redis`` the store is shared already and
+this is not used.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +56,9 @@ class BroadcastSessionStore:
         return await self.local.get(session_id)  # a learned pin, else the hashed fallback
 
     def pin(self, session_id: str, endpoint: str) -> None:
-        self.local.pin(session_id, endpoint)
-        self._siblings.send({"s": session_id, "e": endpoint})
+        at = time.monotonic()
+        self.local.pin(session_id, endpoint, at)
+        self._siblings.send({"s": session_id, "e": endpoint, "t": at})
 
     def active(self) -> int:
         return self.local.active()
@@ -62,8 +68,12 @@ class BroadcastSessionStore:
         await self.local.close()
 
     def _receive(self, message: dict[str, Any]) -> None:
-        session_id, endpoint = message["s"], message["e"]
-        if not isinstance(session_id, str) or not isinstance(endpoint, str):
+        session_id, endpoint, at = message["s"], message["e"], message["t"]
+        if not isinstance(session_id, str) or not isinstance(endpoint, str) or not isinstance(at, float):
             raise TypeError("pin")
-        self.local.pin(session_id, endpoint)
-        self._placement.place(session_id, endpoint)
+        if not math.isfinite(at) or at > time.monotonic() + 1.0:  # NaN or the future: never expires
+            raise ValueError("pin time")
+        # Two workers answering one session at once each pin, then read the other's pin: the
+        # later pin wins in both (their clock is the host's), never a swap.
+        if self.local.pin_if_newer(session_id, endpoint, at):
+            self._placement.place(session_id, endpoint)

@@ -92,11 +92,21 @@ class MemorySessionStore:
             return self.fallback(session_id)
         return pinned
 
-    def pin(self, session_id: str, endpoint: str) -> None:
-        self._pins[session_id] = (endpoint, time.monotonic() + self.ttl_s)
+    def pin(self, session_id: str, endpoint: str, at: float | None = None) -> None:
+        """Pin now (or at ``at``, a ``time.monotonic()`` reading), refreshing the TTL."""
+        self._pins[session_id] = (endpoint, (time.monotonic() if at is None else at) + self.ttl_s)
         self._pins.move_to_end(session_id)
         while len(self._pins) > self._max:
             self._pins.popitem(last=False)
+
+    def pin_if_newer(self, session_id: str, endpoint: str, at: float) -> bool:
+        """A pin made elsewhere at ``at`` (``time.monotonic()``: one clock for every process on
+        the host), applied unless this store's pin of the session is newer; whether it was."""
+        entry = self._pins.get(session_id)
+        if entry is not None and entry[1] - self.ttl_s > at:
+            return False
+        self.pin(session_id, endpoint, at)
+        return True
 
     def active(self) -> int:
         # Pins are kept in refresh order and share one TTL, so the oldest expire first.

@@ -7,7 +7,9 @@ objects, as real workers have); the cross-process behaviour is in tests/web/test
 from __future__ import annotations
 
 import random
+import time
 
+from gateway.fleet.dp import set_ranks
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.registry import EndpointRegistry
 from gateway.fleet.shared_load import SharedLoad
@@ -94,3 +96,60 @@ def test_a_refresh_sums_only_changed_rows_and_never_misses_a_change(tmp_path):
             running[w][i] += 1
             endpoint.in_flight += 1
             endpoint.shared_load.add(1, 10)
+
+
+def _send(endpoint: Endpoint, n: int = 1) -> None:  # InFlightHook.on_send
+    endpoint.in_flight += n
+    endpoint.in_flight_tokens += 10 * n
+    if endpoint.shared_load is not None:
+        endpoint.shared_load.add(n, 10 * n)
+
+
+def _done(endpoint: Endpoint) -> None:  # InFlightHook.on_done
+    endpoint.in_flight -= 1
+    endpoint.in_flight_tokens -= 10
+    if endpoint.shared_load is not None:
+        endpoint.shared_load.add(-1, -10)
+
+
+def test_a_count_the_cells_floor_swallowed_is_healed_by_the_next_full_sum(tmp_path):
+    """A data-parallel replica stops being a target (its ranks learned: unbound) and becomes one
+    again (unhealthy: ranks dropped) while one of its requests runs. That request's end changes
+    the field but not its cell (floored at zero): no byte changed, so only the periodic sum of
+    every row (50 ms) puts the field back to the table's sum (found by review)."""
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    regs = [EndpointRegistry([Endpoint("http://x:1", healthy=True)]) for _ in range(2)]
+    loads = [SharedLoad(WorkerTable(spec, w), regs[w]) for w in range(2)]
+    for shared in loads:
+        shared.refresh(force=True)
+    x0, x1 = regs[0].get("http://x:1"), regs[1].get("http://x:1")
+    _send(x0)
+    _send(x1, 2)
+    set_ranks(x0, [0, 1])  # worker 0 learns two ranks: they route instead of the replica
+    regs[0].rebuild()
+    loads[0].refresh(force=True)
+    assert x0.shared_load is None
+    x0.healthy = False  # ranks dropped: the replica is a target again
+    regs[0].rebuild()
+    loads[0].refresh(force=True)
+    assert x0.in_flight == 2  # worker 1's two; worker 0's running one is no longer in the table
+    _done(x0)  # field 2 → 1, its cell stays at 0
+    time.sleep(0.06)
+    loads[0].refresh(force=True)
+    assert x0.in_flight == 2  # worker 1 still runs two
+
+
+def test_a_replaced_object_gets_the_sum_even_when_no_row_changed(tmp_path):
+    """A reload replaces the endpoint object while a sibling's requests run there and nothing is
+    written to the row between two refreshes: the new object still gets the row's sum."""
+    spec = create_table(str(tmp_path), rows=4, workers=2)
+    regs = [EndpointRegistry([Endpoint("http://a:1", healthy=True)]) for _ in range(2)]
+    loads = [SharedLoad(WorkerTable(spec, w), regs[w]) for w in range(2)]
+    for shared in loads:
+        shared.refresh(force=True)
+    _send(regs[1].get("http://a:1"), 3)
+    loads[0].refresh(force=True)
+    regs[0].remove("http://a:1", rebuild=False)
+    regs[0].add(Endpoint("http://a:1", healthy=True))
+    loads[0].refresh(force=True)
+    assert regs[0].get("http://a:1").in_flight == 3

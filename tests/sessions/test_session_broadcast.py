@@ -39,13 +39,22 @@ async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_droppe
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:  # not a sibling's message
             target = os.path.join(str(tmp_path), "sessions-1.sock")
-            for junk in (b"\xff\x00", b"[]", b'{"s": 5, "e": "r"}', b'{"s": "x"}', b"[" * 4000):
+            for junk in (
+                b"\xff\x00",
+                b"[]",
+                b'{"s": 5, "e": "r", "t": 1.0}',
+                b'{"s": "x", "e": "r"}',
+                b'{"s": "x", "e": "r", "t": NaN}',
+                b'{"s": "x", "e": "r", "t": Infinity}',
+                b'{"s": "x", "e": "r", "t": 1e300}',
+                b"[" * 4000,
+            ):
                 raw.sendto(junk, target)
         stores[0].pin("session-c", "replica-c:8000")  # after the junk: still delivered
         assert await _until(lambda: stores[1].local.get_now("session-c") == "replica-c:8000")
         assert await stores[1].get("x") is None
         assert stores[1].local.get_now("session-a") == "replica-b:8000"  # the junk changed nothing
-        assert sum("malformed datagram" in r.getMessage() for r in caplog.records) == 5
+        assert sum("malformed datagram" in r.getMessage() for r in caplog.records) == 8
     finally:
         for store in stores:
             await store.close()
@@ -63,3 +72,29 @@ async def test_a_sibling_that_is_gone_costs_a_counted_drop_not_a_failed_pin(tmp_
         assert dropped == [1]
     finally:
         await store.close()
+
+
+async def test_two_workers_pinning_one_session_at_once_agree_on_the_later_pin(tmp_path):
+    """Two concurrent requests of one session answered by two workers: each pins before it
+    reads the other's datagram. Each pin carries its time, so both keep the later one (without
+    it each applied the other's last: swapped pins, the workers disagreeing)."""
+    placements = [SessionPlacement(60, 100), SessionPlacement(60, 100)]
+    stores = [
+        BroadcastSessionStore(MemorySessionStore(60, 100), placements[w], str(tmp_path), w, 2) for w in (0, 1)
+    ]
+    for store in stores:
+        store.start()
+    try:
+        for round_ in range(20):
+            first, second = (0, 1) if round_ % 2 else (1, 0)
+            stores[first].pin(f"s{round_}", "replica-a:8000")
+            stores[second].pin(f"s{round_}", "replica-b:8000")  # later, before either reads
+            assert await _until(
+                lambda r=round_: all(s.local.get_now(f"s{r}") == "replica-b:8000" for s in stores)
+            )
+        # a sibling counts a session where its winning pin is (the pinner counted it at send)
+        assert placements[0].live("replica-a:8000") + placements[1].live("replica-a:8000") == 0
+        assert placements[0].live("replica-b:8000") + placements[1].live("replica-b:8000") == 20
+    finally:
+        for store in stores:
+            await store.close()
