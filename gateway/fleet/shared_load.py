@@ -6,16 +6,18 @@ gateway's own numbers. With several, each worker also writes its own changes to 
 of the shared :class:`~gateway.fleet.worker_table.WorkerTable` (``Endpoint.shared_load``,
 set here), and :meth:`SharedLoad.refresh` puts the sum of every worker's cells back into
 the fields. Between refreshes a field is the last sum plus this worker's own changes since,
-so a worker always sees its own sends at once and its siblings' within ``interval_s``.
+so a worker always sees its own sends at once and its siblings' at its next refresh.
 
 The refresh runs on the request path: before admission at most once per ``interval_s``,
 before scheduling always (``force``) — within a throttle window a sibling's request that had
 just ended still counted, and its client's next turn, already here, moved its session off
-its replica. It copies the table's load cells at once and sums only the rows that changed
-since its last copy (a row unchanged means no worker, this one included, counted anything
-there since; every row is summed every 50 ms anyway), so a refresh costs a copy and a
-compare plus one ``struct`` read per changed endpoint. The hooks' per-request cost stays
-O(1): one more cell write per counter.
+its replica. It copies the table's load cells at once and sums only the rows whose bytes
+changed since its last copy: a row whose bytes are equal has the right fields already (its
+last sum plus this worker's own changes since), except where a cell's floor at zero
+swallowed a decrement, so the first refresh 50 ms after the last full sum sums every row.
+A refresh costs the copy, one compare when nothing changed, and per changed row a few
+slice compares (bisection) and one ``struct`` read. The hooks' per-request cost stays O(1):
+one more cell write per counter.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class SharedLoad:
         self._retry_at = 0.0
         self._full_at = 0.0  # when every row was last summed
         self._snapshot: bytes | None = None  # the load cells as last summed (None: sum every row)
-        self._rows = 0  # rows up to the highest bound one: the part of the table worth copying
+        self._rows = 0  # how many rows to copy: up to this worker's highest bound row
         self._by_row: dict[int, _Binding] = {}
 
     def row(self, endpoint: Endpoint) -> int | None:
@@ -72,7 +74,8 @@ class SharedLoad:
         return binding.row if binding is not None else None
 
     def refresh(self, *, force: bool = False) -> None:
-        """Bind new endpoints (always), then the fleet-wide sums (at most once per ``interval_s``).
+        """Bind new endpoints (always), then the fleet-wide sums (always with ``force``, else at
+        most once per ``interval_s``).
 
         Endpoints the full table had no row for are tried again every ``_RETRY_S``: a row
         freed by another worker's endpoint leaving changes nothing in this worker's registry.
@@ -159,8 +162,8 @@ class SharedLoad:
 
 def _changed_rows(snapshot: bytes, last: bytes, row_bytes: int) -> Iterator[int]:
     """The rows whose bytes differ, lowest first, by bisection: a range whose bytes are equal
-    in both copies (one ``memcmp``) is skipped whole. A refresh so costs O(k log(n/k)) slice
-    compares for k changed rows of n, and never more than ~2n of them: no cliff."""
+    in both copies (two slices, compared in C) is skipped whole. So O(k log(n/k)) compares for
+    k changed rows of n, never more than ~2n of them: no cliff as more rows change."""
     ranges = [(0, len(snapshot) // row_bytes)]
     while ranges:
         low, high = ranges.pop()

@@ -37,6 +37,10 @@ class SiblingSocket:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, max(max_bytes, 1 << 16))
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def siblings(self) -> int:
+        return len(self._peers)
+
     def send(self, datagram: bytes) -> int:
         """To every sibling; returns how many did not get it (full buffer, gone)."""
         failed = 0
@@ -104,7 +108,8 @@ class SiblingMessages:
 
     def send(self, message: dict[str, Any]) -> None:
         datagram = json.dumps(message, separators=(",", ":")).encode()
-        failed = self._socket.send(datagram) if len(datagram) <= self._socket.max_bytes else 1
+        too_large = len(datagram) > self._socket.max_bytes  # then no sibling gets it
+        failed = self._socket.siblings if too_large else self._socket.send(datagram)
         if failed and self._on_drop is not None:
             for _ in range(failed):
                 self._on_drop()

@@ -5,7 +5,8 @@ was given one session more than the others is the first to evict. Prefix scoring
 that when new sessions start: every replica may hold the shared system prompt and little
 queued work (docs/benchmarks.md §10: 7 of 12 agent sessions on one of two real vLLM
 replicas, that replica evicting from turn 3 on). Counted at send, not at the first byte,
-so sessions that start together see each other. Per process: a gateway's own traffic.
+so sessions that start together see each other. Per process; with several workers the
+siblings' pins are counted too (:mod:`gateway.sessions.session_broadcast`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ and keep sessions as one process would. The pin is made at the answer's first by
 datagram is in the sibling's buffer before the client has the answer and can send its next
 turn. Each pin carries its ``time.monotonic()`` (one clock for the host's processes): a
 sibling applies it only if newer than its own, so two workers pinning one session at once
-agree on the later pin. A full receive buffer drops it (counted): that worker then uses the
-hashed fallback, as before. With ``sessions.backend: redis`` the store is shared already and
+agree on the later pin. A full receive buffer drops it (counted): that worker keeps what it
+knew (its older pin, or the hashed fallback). With ``sessions.backend: redis`` the store is shared already and
 this is not used.
 """
 
@@ -71,8 +71,11 @@ class BroadcastSessionStore:
         session_id, endpoint, at = message["s"], message["e"], message["t"]
         if not isinstance(session_id, str) or not isinstance(endpoint, str) or not isinstance(at, float):
             raise TypeError("pin")
-        if not math.isfinite(at) or at > time.monotonic() + 1.0:  # NaN or the future: never expires
+        now = time.monotonic()
+        if not math.isfinite(at) or at > now + 1.0:  # NaN or the future: it would never expire
             raise ValueError("pin time")
+        if at < now - self.local.ttl_s:
+            return  # expired on its way (a stalled worker): nothing to apply or count
         # Two workers answering one session at once each pin, then read the other's pin: the
         # later pin wins in both (their clock is the host's), never a swap.
         if self.local.pin_if_newer(session_id, endpoint, at):

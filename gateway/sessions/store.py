@@ -59,7 +59,8 @@ def rendezvous_pick(session_id: str, names: Iterable[str]) -> str | None:
 
 
 class MemorySessionStore:
-    """Pins in this process's memory: per gateway worker, not shared.
+    """Pins in this process's memory (with several workers, kept in step by
+    :class:`~gateway.sessions.session_broadcast.BroadcastSessionStore`).
 
     ``fallback`` answers for a session this process has no pin for. With several workers
     (``server.workers``) the kernel spreads a client's connections across them, so the
@@ -73,14 +74,15 @@ class MemorySessionStore:
     ) -> None:
         self.ttl_s = ttl_s
         self._max = max_sessions
-        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (endpoint, expires)
+        # id → (endpoint, expires, pinned at), in refresh order
+        self._pins: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self.fallback = fallback
 
     def get_now(self, session_id: str) -> str | None:
         entry = self._pins.get(session_id)
         if entry is None:
             return None
-        endpoint, expires = entry
+        endpoint, expires, _ = entry
         if expires < time.monotonic():
             del self._pins[session_id]
             return None
@@ -94,25 +96,28 @@ class MemorySessionStore:
 
     def pin(self, session_id: str, endpoint: str, at: float | None = None) -> None:
         """Pin now (or at ``at``, a ``time.monotonic()`` reading), refreshing the TTL."""
-        self._pins[session_id] = (endpoint, (time.monotonic() if at is None else at) + self.ttl_s)
+        at = time.monotonic() if at is None else at
+        self._pins[session_id] = (endpoint, at + self.ttl_s, at)
         self._pins.move_to_end(session_id)
         while len(self._pins) > self._max:
             self._pins.popitem(last=False)
 
     def pin_if_newer(self, session_id: str, endpoint: str, at: float) -> bool:
         """A pin made elsewhere at ``at`` (``time.monotonic()``: one clock for every process on
-        the host), applied unless this store's pin of the session is newer; whether it was."""
+        the host), applied unless this store's pin of the session is newer (equal times: the
+        greater replica name wins, the same choice everywhere); whether it was applied."""
         entry = self._pins.get(session_id)
-        if entry is not None and entry[1] - self.ttl_s > at:
+        if entry is not None and (entry[2], entry[0]) >= (at, endpoint):
             return False
         self.pin(session_id, endpoint, at)
         return True
 
     def active(self) -> int:
-        # Pins are kept in refresh order and share one TTL, so the oldest expire first.
+        # Pins are kept in refresh order and share one TTL, so the oldest expire first (a
+        # sibling worker's pin arrives a moment after it was made: counted that moment longer).
         now = time.monotonic()
         while self._pins:
-            _, (_, expires) = next(iter(self._pins.items()))
+            _, (_, expires, _) = next(iter(self._pins.items()))
             if expires >= now:
                 break
             self._pins.popitem(last=False)

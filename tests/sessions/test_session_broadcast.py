@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
+import time
 
 from gateway.sessions.placement import SessionPlacement
 from gateway.sessions.session_broadcast import BroadcastSessionStore
@@ -98,3 +100,33 @@ async def test_two_workers_pinning_one_session_at_once_agree_on_the_later_pin(tm
     finally:
         for store in stores:
             await store.close()
+
+
+def test_an_older_pin_from_a_sibling_is_refused_and_ties_go_to_the_greater_name():
+    store, now = MemorySessionStore(60, 100), time.monotonic()
+    store.pin("s", "replica-b:8000", at=now)
+    assert not store.pin_if_newer("s", "replica-a:8000", now - 1)  # older: refused
+    assert store.get_now("s") == "replica-b:8000"
+    assert store.pin_if_newer("s", "replica-c:8000", now)  # the same time: the greater name
+    assert not store.pin_if_newer("s", "replica-a:8000", now)
+    assert store.get_now("s") == "replica-c:8000"
+    assert store.pin_if_newer("s", "replica-a:8000", now + 0.5)  # newer: applied
+    assert store.get_now("s") == "replica-a:8000"
+
+
+async def test_a_pin_that_expired_on_its_way_is_neither_applied_nor_counted(tmp_path):
+    placement = SessionPlacement(60, 100)
+    receiver = BroadcastSessionStore(MemorySessionStore(60, 100), placement, str(tmp_path), 1, 2)
+    receiver.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            target = os.path.join(str(tmp_path), "sessions-1.sock")
+            stale = json.dumps({"s": "old", "e": "replica-a:8000", "t": time.monotonic() - 61}).encode()
+            fresh = json.dumps({"s": "new", "e": "replica-a:8000", "t": time.monotonic()}).encode()
+            raw.sendto(stale, target)
+            raw.sendto(fresh, target)
+        assert await _until(lambda: receiver.local.get_now("new") is not None)
+        assert receiver.local.get_now("old") is None
+        assert placement.live("replica-a:8000") == 1
+    finally:
+        await receiver.close()
