@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.harness.ports import free_ports
+from loadtest.harness.ports import free_port_block
 from loadtest.simulator import running_simulator
 
 MODEL = "sim-llama"
@@ -100,7 +100,8 @@ async def test_metrics_carry_the_rank_in_the_engine_label_as_vllms_do(http) -> N
 
 
 async def test_kv_events_per_rank_carry_the_rank(http) -> None:
-    pub, replay = free_ports(2)
+    pub = free_port_block(4)  # rank R publishes on pub + R and replays on replay + R
+    replay = pub + 2
     ports = {"kv_events_port": pub, "kv_events_replay_port": replay}
     async with running_simulator(data_parallel_size=2, time_scale=50.0, kv_events=True, **ports) as sim:
         async with http.get(sim.url + "/kv_event_sources") as resp:
