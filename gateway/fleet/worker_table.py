@@ -202,10 +202,7 @@ class WorkerTable:
 
     def row_load(self, row: int) -> tuple[float, float, float]:
         """The whole gateway's (requests, prompt tokens, pending prefill tokens) on this row."""
-        values = self._row_format.unpack_from(
-            self._bytes, 8 * (self._load_at + row * self.spec.workers * _LOAD)
-        )
-        return sum(values[0::_LOAD]), sum(values[1::_LOAD]), sum(values[2::_LOAD])
+        return self._sums(self._bytes, 8 * self._load_at + row * self.load_row_bytes)
 
     @property
     def load_row_bytes(self) -> int:
@@ -220,7 +217,11 @@ class WorkerTable:
 
     def snapshot_load(self, snapshot: bytes, row: int) -> tuple[float, float, float]:
         """:meth:`row_load`, read from a :meth:`load_snapshot`."""
-        values = self._row_format.unpack_from(snapshot, row * self.load_row_bytes)
+        return self._sums(snapshot, row * self.load_row_bytes)
+
+    def _sums(self, buffer: bytes | memoryview, offset: int) -> tuple[float, float, float]:
+        """One row's cells at ``offset``, summed over the workers' columns."""
+        values = self._row_format.unpack_from(buffer, offset)
         return sum(values[0::_LOAD]), sum(values[1::_LOAD]), sum(values[2::_LOAD])
 
     # ---- breaker -------------------------------------------------------------------

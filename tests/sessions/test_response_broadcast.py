@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 
 from gateway.sessions.response_broadcast import BroadcastResponseStore
 from gateway.sessions.responses import MemoryResponseStore, ResponseRecord
-
-
-async def _until(check, within_s: float = 2.0) -> bool:
-    for _ in range(int(within_s / 0.01)):
-        if check():
-            return True
-        await asyncio.sleep(0.01)
-    return check()
+from tests.support.waiting import until
 
 
 async def test_puts_and_forgets_reach_the_sibling_and_garbage_is_dropped(tmp_path, caplog):
@@ -27,7 +19,7 @@ async def test_puts_and_forgets_reach_the_sibling_and_garbage_is_dropped(tmp_pat
     try:
         stores[0].put("resp_1", ResponseRecord("replica-a:8000", "chain-1", "tenant-a"))
         stores[0].put("resp_2", ResponseRecord("replica-b:8000", "chain-2", None))
-        assert await _until(lambda: stores[1].local.get_now("resp_2") is not None)
+        assert await until(lambda: stores[1].local.get_now("resp_2") is not None)
         assert await stores[1].get("resp_1") == ResponseRecord("replica-a:8000", "chain-1", "tenant-a")
         assert (await stores[1].get("resp_2")).tenant is None
 
@@ -36,7 +28,7 @@ async def test_puts_and_forgets_reach_the_sibling_and_garbage_is_dropped(tmp_pat
             for junk in (b"\xff\x00", b"[]", b'{"id": 5}', b'{"id": "x", "e": "r", "c": "c", "t": 7}'):
                 raw.sendto(junk, target)
         stores[1].forget("resp_2")  # from the other side, after the junk
-        assert await _until(lambda: stores[0].local.get_now("resp_2") is None)
+        assert await until(lambda: stores[0].local.get_now("resp_2") is None)
         assert await stores[1].get("resp_1") is not None  # the junk changed nothing
         assert await stores[1].get("x") is None
         assert sum("malformed datagram" in r.getMessage() for r in caplog.records) == 4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -11,14 +10,7 @@ import time
 from gateway.sessions.placement import SessionPlacement
 from gateway.sessions.session_broadcast import BroadcastSessionStore
 from gateway.sessions.store import MemorySessionStore
-
-
-async def _until(check, within_s: float = 2.0) -> bool:
-    for _ in range(int(within_s / 0.01)):
-        if check():
-            return True
-        await asyncio.sleep(0.01)
-    return check()
+from tests.support.waiting import until
 
 
 async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_dropped(tmp_path, caplog):
@@ -32,11 +24,11 @@ async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_droppe
     try:
         stores[0].pin("session-a", "replica-a:8000")
         stores[0].pin("session-b", "replica-a:8000")
-        assert await _until(lambda: stores[1].local.get_now("session-b") is not None)
+        assert await until(lambda: stores[1].local.get_now("session-b") is not None)
         assert await stores[1].get("session-a") == "replica-a:8000"
         assert placements[1].live("replica-a:8000") == 2  # session-balance sees the sibling's sessions
         stores[1].pin("session-a", "replica-b:8000")  # moved by the other worker
-        assert await _until(lambda: stores[0].local.get_now("session-a") == "replica-b:8000")
+        assert await until(lambda: stores[0].local.get_now("session-a") == "replica-b:8000")
         assert placements[0].live("replica-b:8000") == 1
 
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:  # not a sibling's message
@@ -53,7 +45,7 @@ async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_droppe
             ):
                 raw.sendto(junk, target)
         stores[0].pin("session-c", "replica-c:8000")  # after the junk: still delivered
-        assert await _until(lambda: stores[1].local.get_now("session-c") == "replica-c:8000")
+        assert await until(lambda: stores[1].local.get_now("session-c") == "replica-c:8000")
         assert await stores[1].get("x") is None
         assert stores[1].local.get_now("session-a") == "replica-b:8000"  # the junk changed nothing
         assert sum("malformed datagram" in r.getMessage() for r in caplog.records) == 8
@@ -91,7 +83,7 @@ async def test_two_workers_pinning_one_session_at_once_agree_on_the_later_pin(tm
             first, second = (0, 1) if round_ % 2 else (1, 0)
             stores[first].pin(f"s{round_}", "replica-a:8000")
             stores[second].pin(f"s{round_}", "replica-b:8000")  # later, before either reads
-            assert await _until(
+            assert await until(
                 lambda r=round_: all(s.local.get_now(f"s{r}") == "replica-b:8000" for s in stores)
             )
         # a sibling counts a session where its winning pin is (the pinner counted it at send)
@@ -125,7 +117,7 @@ async def test_a_pin_that_expired_on_its_way_is_neither_applied_nor_counted(tmp_
             fresh = json.dumps({"s": "new", "e": "replica-a:8000", "t": time.monotonic()}).encode()
             raw.sendto(stale, target)
             raw.sendto(fresh, target)
-        assert await _until(lambda: receiver.local.get_now("new") is not None)
+        assert await until(lambda: receiver.local.get_now("new") is not None)
         assert receiver.local.get_now("old") is None
         assert placement.live("replica-a:8000") == 1
     finally:
