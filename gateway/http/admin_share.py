@@ -60,7 +60,16 @@ class AdminShare:
             log.warning("admin change not sent to %d sibling worker(s)", failed)
 
     def listen(self) -> None:
+        self.catch_up()
         self._socket.listen(self._receive)
+
+    def catch_up(self) -> None:
+        """A worker started again after its process died applies the newest admin state any
+        worker wrote (its own dead self's included): the changes it missed are in it whole."""
+        states = [path for path in self._directory.iterdir() if _STATE_FILE.fullmatch(path.name)]
+        if states:
+            newest = max(states, key=lambda path: path.stat().st_mtime_ns)
+            self._apply_file(newest.name, "written before this worker started")
 
     def _receive(self, datagram: bytes) -> None:
         try:
@@ -68,9 +77,16 @@ class AdminShare:
             name = notice["state"] if isinstance(notice, dict) else None
             if not isinstance(name, str) or not _STATE_FILE.fullmatch(name):
                 raise ValueError("not an admin-state notice")
-            configs, draining = _parse(json.loads((self._directory / name).read_text()))
         except Exception as exc:  # whatever arrives, the worker keeps serving (logged)
             log.error("admin change from a sibling worker not applied: %s", exc)
+            return
+        self._apply_file(name, "from a sibling worker")
+
+    def _apply_file(self, name: str, origin: str) -> None:
+        try:
+            configs, draining = _parse(json.loads((self._directory / name).read_text()))
+        except Exception as exc:  # a file half-gone or garbage: the worker keeps serving (logged)
+            log.error("admin change %s not applied: %s", origin, exc)
             return
         self._apply(configs, draining)
 

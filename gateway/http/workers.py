@@ -55,10 +55,16 @@ class WorkerSlot:
     index: int
     directory: str
     table: TableSpec
+    respawns: int = 0  # times this slot's worker was started again after its process died
 
 
 def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -> None:
     table = WorkerTable(slot.table, slot.index)
+    Counter(
+        "llm_gateway_worker_respawns",
+        "Times this worker was started again after its process died (per worker slot)",
+        registry=state.metrics.registry,
+    ).inc(slot.respawns)
     full = Counter(
         "llm_gateway_worker_table_full",
         "Endpoints the shared worker table had no row for (counted by one worker only)",

@@ -37,6 +37,7 @@ from gateway.http.state import STATE
 from tests.fleet.discovery.apiserver import make_pod, running_apiserver
 from tests.prefix.conftest import key_prefix, redis_url
 from tests.support.harness import Gateway, chat_body, free_port, gateway_metrics, wait_until
+from tests.support.workers import spawn_gateway
 
 __all__ = ["key_prefix", "redis_url"]  # fixtures
 
@@ -108,14 +109,23 @@ def one(kind: str, name: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def exported(start_sim, start_gateway, http) -> set[str]:
+async def exported(start_sim, start_gateway, http, tmp_path) -> set[str]:
+    """What a single-process gateway and a ``serve --workers 2`` one export (the workers'
+    own series, e.g. ``llm_gateway_worker_respawns_total``, exist only in the second)."""
     sims = [await start_sim(model="m"), await start_sim(model="m")]
     gw = await start_gateway([s.url for s in sims])
     for stream in (False, True, False, True):
         async with http.post(gw.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as resp:
             assert resp.status == 200
             await resp.read()
-    return exported_sample_names(await gateway_metrics(http, gw))
+    names = exported_sample_names(await gateway_metrics(http, gw))
+    workers = await spawn_gateway([s.url for s in sims], ["--workers", "2"], tmp_path)
+    try:
+        async with http.get(workers.url + "/metrics") as resp:
+            assert resp.status == 200
+            return names | exported_sample_names(await resp.text())
+    finally:
+        await workers.stop()
 
 
 # --- Dashboard and rules against the real /metrics --------------------------------------------
@@ -198,7 +208,7 @@ def test_rules_structure():
     assert "llm_gateway_endpoint_ejected" in ejected["expr"] and ejected["for"] == "5m"
     assert 'result="rejected"' in alerts["LLMGatewayConfigReloadRejected"]["expr"]
     assert "llm_gateway_retry_budget_exhausted_total" in alerts["LLMGatewayRetryBudgetExhausted"]["expr"]
-    assert len(alerts) == 8
+    assert len(alerts) == 9
 
 
 # --- Kubernetes manifests ---------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A real Prometheus scraping real gateways, evaluating the dashboard's queries and the alerting rules.
 
-Seven gateways run in-process in front of simulated replicas under light load, each built to
-make one alert's condition true for real, and one real ``prometheus`` (Debian's package)
+Eight gateways (seven in-process, one ``serve --workers 2``) run in front of simulated
+replicas under light load, each built to make one alert's condition true for real, and one
+real ``prometheus`` (Debian's package)
 scrapes them every second and evaluates a test copy of ``deploy/prometheus/rules.yaml``
 (``prom_live.fast_rules``: the same expressions and thresholds; only the evaluation
 interval, the range windows and the ``for:`` durations shrink, per its tables):
@@ -18,6 +19,8 @@ overload    40 long generations at once on one small replica       HighShedRate 
 redis       its own redis-server SIGKILLed, restarted              RedisFallbacksRising (zero 5xx)
 pd          one prefill replica hands over no KV, the other 500s   PDSilentlyDegraded (and the 500ing
                                                                    prefill replica may be ejected)
+workers     ``serve --workers 2`` (a process of its own): one      WorkerRespawned
+            worker SIGKILLed, the parent starts it again
 ==========  =====================================================  ====================================
 
 Before the faults no alert fires; during them exactly the expected ones fire; after them
@@ -30,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -37,16 +42,18 @@ from typing import Any
 import pytest
 
 from gateway.http.reload import ConfigReloader
+from loadtest.harness.processes import ManagedProcess
 from loadtest.harness.redis_server import RedisServer
 from tests.deploy.live_fleet import Load, Replica, ResponsesLoad, long_request, tenant_request, write_keys
 from tests.deploy.prom_live import binary, dashboard_queries, fast_rules, running_prometheus
 from tests.fleet.discovery.apiserver import make_pod, running_apiserver
 from tests.support.harness import Gateway, running_gateway
+from tests.support.workers import spawn_gateway, worker_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def host(gw: Gateway) -> str:
+def host(gw: Gateway | ManagedProcess) -> str:
     return gw.url.removeprefix("http://")
 
 
@@ -150,8 +157,11 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         ],
         pd={"decider": "always"},
     )
+    workers_r = await replica()
+    workers = await spawn_gateway([workers_r.url], ["--workers", "2"], tmp_path, name="workers")
+    stack.push_async_callback(workers.stop)
     gateways = {"main": main, "down": down, "eject": eject, "retry": retry, "overload": overload,
-                "redis": redis_gw, "pd": pd}  # fmt: skip
+                "redis": redis_gw, "pd": pd, "workers": workers}  # fmt: skip
 
     config_file = tmp_path / "gateway.yaml"
     config_file.write_text("endpoints: []\n")
@@ -166,6 +176,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         "overload": Load(http, overload.url, pause_s=0.5),
         "redis": Load(http, redis_gw.url, request=tenant_request),
         "pd": Load(http, pd.url, pause_s=0.5),
+        "workers": Load(http, workers.url, pause_s=0.2),
     }
     burst = Load(http, overload.url, request=long_request, workers=40, pause_s=0.0)
     for load in loads.values():
@@ -213,6 +224,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
     await prefill.fault(http, "no_transfer")
     await prefill_2.fault(http, "error", status=500)
     api.put(make_pod("sim-1", "127.0.0.1", ready=False, **pod))  # a replica leaves: no alert
+    os.kill(min(worker_pids(workers.pid)), signal.SIGKILL)
 
     expected: dict[str, dict[str, str]] = {
         "LLMGatewayConfigReloadRejected": {"instance": host(main)},
@@ -223,6 +235,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         "LLMGatewayHighShedRate": {},
         "LLMGatewayRedisFallbacksRising": {},
         "LLMGatewayPDSilentlyDegraded": {"reason": "no_transfer_params"},
+        "LLMGatewayWorkerRespawned": {"instance": host(workers)},
     }
     # Explained without being required: a prefill replica that answers 500 feeds its breaker
     # like any replica (13ca0a5), so it may be ejected too.

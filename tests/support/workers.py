@@ -23,6 +23,16 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def worker_pids(parent: int) -> set[int]:
+    """The gateway parent's worker processes (not multiprocessing's resource tracker, also its child)."""
+    found = set()
+    for pid in children(parent):
+        with contextlib.suppress(OSError):
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.add(pid)
+    return found
+
+
 def handles_signal(pid: int, signum: int) -> bool:
     """Whether ``pid`` has a handler installed for ``signum`` (SigCgt in /proc/pid/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -127,9 +127,12 @@ async def test_all_workers_failing_exits_nonzero(tmp_path):
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
     port = blocker.getsockname()[1]
+    gw = None
     try:
         gw = await spawn_gateway(["http://127.0.0.1:9"], ["--workers", "2"], tmp_path, port=port, ready=False)
         code = await asyncio.wait_for(gw.process.wait(), 60)
         assert code != 0, (code, gw.log_tail())
     finally:
+        if gw is not None:  # a gateway that never exited must not outlive the test
+            await gw.stop()
         blocker.close()
