@@ -5,22 +5,28 @@ turn lands on any worker. A worker with no pin for a session falls back to the s
 replica as its siblings (:func:`~gateway.sessions.store.rendezvous_pick`), but a session
 that *moved* (its replica was drained, down, saturated, or scored worse) is pinned only in
 the worker that moved it: its sibling sent the next turn back to the hashed replica, and the
-conversation ran on two replicas' caches. Each pin is also sent to the siblings as one small
+conversation ran on two replicas' caches. A pin is also sent to the siblings as one small
 unix datagram (:class:`~gateway.ops.sibling_socket.SiblingMessages`), applied there to their
 store and to their live-session count per replica (``session-balance``), so N workers place
-and keep sessions as one process would. The pin is made at the answer's first byte, so the
-datagram is in the sibling's buffer before the client has the answer and can send its next
-turn. Each pin carries its ``time.monotonic()`` (one clock for the host's processes): a
-sibling applies it only if newer than its own, so two workers pinning one session at once
-agree on the later pin. A full receive buffer drops it (counted): that worker keeps what it
-knew (its older pin, or the hashed fallback). With ``sessions.backend: redis`` the store is shared already and
-this is not used.
+and keep sessions as one process would. Every turn of a session pins, nearly always to the
+replica it had, so a pin is sent only when the siblings do not know it: a new replica, or the
+same one ``ttl / 16`` after they last heard of it (so their copy lives while the session is in
+use; at its end they forget it up to ``ttl / 16`` early and fall back to the hashed replica).
+Sending every pin cost ~11 % of the CPU of a session request with two workers. The pin is
+made at the answer's first byte, so the datagram is in the sibling's buffer before the client
+has the answer and can send its next turn. Each pin carries its ``time.monotonic()`` (one
+clock for the host's processes): a sibling applies it only if newer than its own, so two
+workers pinning one session at once agree on the later pin (a worker whose newer pin was not
+sent sends it when a sibling's older one arrives). A full receive buffer drops it (counted):
+that worker keeps what it knew (its older pin, or the hashed fallback). With
+``sessions.backend: redis`` the store is shared already and this is not used.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +36,7 @@ from gateway.sessions.store import MemorySessionStore
 
 __all__ = ["BroadcastSessionStore"]
 
+_RETELL_EVERY = 16  # the same pin is told again after ttl / this (siblings lose at most that at its end)
 _MAX_DATAGRAM = 4096  # a session key (32 hex digits, gateway.request.parse.session_key) and a name
 
 
@@ -47,6 +54,10 @@ class BroadcastSessionStore:
     ) -> None:
         self.local = local
         self._placement = placement
+        # per session, the last pin every worker heard (sent from here or received): (replica, time)
+        self._told: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._max_told = local.max_sessions
+        self._retell_s = local.ttl_s / _RETELL_EVERY
         self._siblings = SiblingMessages(directory, "sessions", worker, workers, _MAX_DATAGRAM, on_drop)
 
     def start(self) -> None:
@@ -56,9 +67,26 @@ class BroadcastSessionStore:
         return await self.local.get(session_id)  # a learned pin, else the hashed fallback
 
     def pin(self, session_id: str, endpoint: str) -> None:
+        """Pin here; tell the siblings only what they do not know: a new replica for the session,
+        or the same one when what they last heard is ``ttl / _RETELL_EVERY`` old (their copy
+        must not expire while the session is in use). Every turn of a session pins, and most
+        pin the replica it already had."""
         at = time.monotonic()
         self.local.pin(session_id, endpoint, at)
+        told = self._told.get(session_id)
+        if told is None or told[0] != endpoint or at - told[1] >= self._retell_s:
+            self._tell(session_id, endpoint, at)
+
+    def _tell(self, session_id: str, endpoint: str, at: float) -> None:
         self._siblings.send({"s": session_id, "e": endpoint, "t": at})
+        self._remember(session_id, endpoint, at)
+
+    def _remember(self, session_id: str, endpoint: str, at: float) -> None:
+        told = self._told
+        told[session_id] = (endpoint, at)
+        told.move_to_end(session_id)
+        if len(told) > self._max_told:
+            told.popitem(last=False)
 
     def active(self) -> int:
         return self.local.active()
@@ -80,3 +108,10 @@ class BroadcastSessionStore:
         # later pin wins in both (their clock is the host's), never a swap.
         if self.local.pin_if_newer(session_id, endpoint, at):
             self._placement.place(session_id, endpoint)
+            self._remember(session_id, endpoint, at)
+            return
+        # Ours is newer. If it is another replica the siblings never heard of (a pin made here
+        # after the last one told, not told since), they would now keep this older one: tell ours.
+        mine = self.local.entry(session_id)
+        if mine is not None and mine[0] != endpoint and self._told.get(session_id) != mine:
+            self._tell(session_id, *mine)

@@ -102,6 +102,17 @@ class MemorySessionStore:
         while len(self._pins) > self._max:
             self._pins.popitem(last=False)
 
+    @property
+    def max_sessions(self) -> int:
+        return self._max
+
+    def entry(self, session_id: str) -> tuple[str, float] | None:
+        """The live pin of a session as (replica, the time it was pinned), if any."""
+        entry = self._pins.get(session_id)
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0], entry[2]
+
     def pin_if_newer(self, session_id: str, endpoint: str, at: float) -> bool:
         """A pin made elsewhere at ``at`` (``time.monotonic()``: one clock for every process on
         the host), applied unless this store's pin of the session is newer (equal times: the

@@ -30,7 +30,7 @@ from loadtest.harness.ports import free_port
 from loadtest.harness.processes import ManagedProcess, spawn, wait_ready
 from loadtest.harness.procfs import cpu_seconds, process_tree
 from loadtest.harness.wrk import run_wrk
-from loadtest.overhead.bench import VARIANTS, WRK_DIR, check_target, slug
+from loadtest.overhead.bench import DEFAULT_VARIANTS, VARIANTS, WRK_DIR, check_target, slug
 from loadtest.overhead.cli import REPO_ROOT, _start_upstream
 
 __all__ = ["main"]
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--policies", type=lambda s: [x for x in s.split(",") if x], default=["round-robin", "default"]
     )
-    p.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=list(VARIANTS))
+    p.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_VARIANTS)
     p.add_argument("--slices", type=int, default=4)
     p.add_argument("--slice-s", type=float, default=2.0)
     p.add_argument("--warmup", type=float, default=1.0)

@@ -15,10 +15,12 @@ from loadtest.harness.procfs import cpu_seconds, process_tree
 from loadtest.harness.wrk import WrkResult, run_wrk
 from loadtest.overhead.table import Row, line
 
-__all__ = ["MODEL", "VARIANTS", "WRK_DIR", "Bench", "Row", "check_target", "slug"]
+__all__ = ["DEFAULT_VARIANTS", "MODEL", "VARIANTS", "WRK_DIR", "Bench", "Row", "check_target", "slug"]
 
 WRK_DIR = Path(__file__).resolve().parent.parent / "wrk"
-VARIANTS = {"chat": "chat.lua", "chat_stream": "chat_stream.lua"}
+#: chat_session: the chat with an ``x-session-id`` (256 sessions in turn), agent traffic; not run by default
+VARIANTS = {"chat": "chat.lua", "chat_stream": "chat_stream.lua", "chat_session": "chat_session.lua"}
+DEFAULT_VARIANTS = ["chat", "chat_stream"]
 MODEL = "zero"
 
 

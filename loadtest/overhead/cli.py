@@ -17,7 +17,7 @@ from typing import Any
 
 from loadtest.harness.ports import free_port
 from loadtest.harness.processes import ManagedProcess, spawn, wait_ready
-from loadtest.overhead.bench import MODEL, VARIANTS, Bench, slug
+from loadtest.overhead.bench import DEFAULT_VARIANTS, MODEL, VARIANTS, Bench, slug
 from loadtest.overhead.profile import profile_gateway
 from loadtest.overhead.table import HEADER, Row, added, cpu_per_1k, line, markdown_table
 from loadtest.peers import PEER_ROUTERS, PeerStartError, peer_available, start_peer
@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway policies; 'default' = no --policy flag (default: round-robin,default)",
     )
     p.add_argument("--peers", type=_csv(str), default=["sglang-router", "vllm-router"])
-    p.add_argument("--variants", type=_csv(str), default=list(VARIANTS), help="chat,chat_stream")
+    p.add_argument(
+        "--variants", type=_csv(str), default=DEFAULT_VARIANTS, help="chat,chat_stream[,chat_session]"
+    )
     p.add_argument("--upstream-workers", type=int, default=2, help="zero upstream processes (SO_REUSEPORT)")
     p.add_argument("--profile", action="store_true", help="py-spy the first gateway (w1) in an extra run")
     p.add_argument("--py-spy", default=None, help="py-spy binary (default: next to python, then PATH)")

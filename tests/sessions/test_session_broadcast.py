@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import socket
@@ -13,14 +15,19 @@ from gateway.sessions.store import MemorySessionStore
 from tests.support.waiting import until
 
 
-async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_dropped(tmp_path, caplog):
+def _two_workers(tmp_path) -> tuple[list[SessionPlacement], list[BroadcastSessionStore]]:
+    """Two workers' stores, listening, over real sockets in ``tmp_path``."""
     placements = [SessionPlacement(60, 100), SessionPlacement(60, 100)]
     stores = [
-        BroadcastSessionStore(MemorySessionStore(60, 100), placements[worker], str(tmp_path), worker, 2)
-        for worker in (0, 1)
+        BroadcastSessionStore(MemorySessionStore(60, 100), placements[w], str(tmp_path), w, 2) for w in (0, 1)
     ]
     for store in stores:
         store.start()
+    return placements, stores
+
+
+async def test_pins_reach_the_sibling_with_their_placement_and_garbage_is_dropped(tmp_path, caplog):
+    placements, stores = _two_workers(tmp_path)
     try:
         stores[0].pin("session-a", "replica-a:8000")
         stores[0].pin("session-b", "replica-a:8000")
@@ -72,12 +79,7 @@ async def test_two_workers_pinning_one_session_at_once_agree_on_the_later_pin(tm
     """Two concurrent requests of one session answered by two workers: each pins before it
     reads the other's datagram. Each pin carries its time, so both keep the later one (without
     it each applied the other's last: swapped pins, the workers disagreeing)."""
-    placements = [SessionPlacement(60, 100), SessionPlacement(60, 100)]
-    stores = [
-        BroadcastSessionStore(MemorySessionStore(60, 100), placements[w], str(tmp_path), w, 2) for w in (0, 1)
-    ]
-    for store in stores:
-        store.start()
+    placements, stores = _two_workers(tmp_path)
     try:
         for round_ in range(20):
             first, second = (0, 1) if round_ % 2 else (1, 0)
@@ -122,3 +124,62 @@ async def test_a_pin_that_expired_on_its_way_is_neither_applied_nor_counted(tmp_
         assert placement.live("replica-a:8000") == 1
     finally:
         await receiver.close()
+
+
+async def _datagrams(sock: socket.socket) -> list[dict]:
+    """What a raw sibling socket received so far (non-blocking)."""
+    got = []
+    while True:
+        try:
+            got.append(json.loads(sock.recv(4096)))
+        except BlockingIOError:
+            return got
+
+
+async def test_a_session_on_the_same_replica_is_told_once_then_again_before_its_siblings_copy_expires(
+    tmp_path,
+):
+    """Every turn of a session pins; the siblings hear of a new replica at once, of the same one
+    only every ttl/16 (each datagram cost both ends ~16 us a request, 11 % of a session request)."""
+    ttl = 1.6  # told again every 0.1 s
+    local, placement = MemorySessionStore(ttl, 100), SessionPlacement(ttl, 100)
+    store = BroadcastSessionStore(local, placement, str(tmp_path), 0, 2)
+    sibling = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # worker 1's socket, read raw
+    sibling.bind(os.path.join(str(tmp_path), "sessions-1.sock"))
+    sibling.setblocking(False)
+    store.start()
+    try:
+        for _ in range(50):  # 50 turns on one replica within ~0.01 s: told once
+            store.pin("s", "replica-a:8000")
+        assert [(d["s"], d["e"]) for d in await _datagrams(sibling)] == [("s", "replica-a:8000")]
+        store.pin("s", "replica-b:8000")  # moved: told at once
+        assert [d["e"] for d in await _datagrams(sibling)] == ["replica-b:8000"]
+        told_at = time.monotonic()
+        while time.monotonic() - told_at < 0.35:  # turns every 10 ms for 0.35 s: told ~3 more times
+            store.pin("s", "replica-b:8000")
+            await asyncio.sleep(0.01)
+        again = await _datagrams(sibling)
+        assert 2 <= len(again) <= 5, again
+        assert all(d["e"] == "replica-b:8000" for d in again)
+        assert all(b["t"] - a["t"] >= ttl / 16 for a, b in itertools.pairwise(again)), again
+    finally:
+        await store.close()
+        sibling.close()
+
+
+async def test_a_newer_pin_not_yet_told_is_told_when_a_sibling_announces_an_older_move(tmp_path):
+    """Worker 0 pinned replica A again after it last told (not told: the same replica); worker 1
+    moved the session to B a moment before that, and told. Worker 0 keeps its newer A, so it must
+    tell it now, or worker 1 (and every other) would route the session to B and worker 0 to A."""
+    _, stores = _two_workers(tmp_path)
+    try:
+        stores[0].pin("s", "replica-a:8000")
+        assert await until(lambda: stores[1].local.get_now("s") == "replica-a:8000")
+        stores[1].pin("s", "replica-b:8000")  # a move, told to worker 0 (read on its next loop turn)
+        stores[0].pin("s", "replica-a:8000")  # later, the same replica as told: not told again
+        assert await until(lambda: all(s.local.get_now("s") == "replica-a:8000" for s in stores))
+        await asyncio.sleep(0.05)  # and it stays agreed (no ping-pong of re-tells)
+        assert [s.local.get_now("s") for s in stores] == ["replica-a:8000", "replica-a:8000"]
+    finally:
+        for store in stores:
+            await store.close()
