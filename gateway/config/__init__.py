@@ -419,7 +419,7 @@ def load_config(
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         if loaded is None:
             loaded = {}

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +115,32 @@ class ConfigReloader:
     """Re-reads the file the gateway was started with (CLI flags still win over it)."""
 
     def __init__(
-        self, state: GatewayState, path: str | Path, overrides: dict[str, Any] | None = None
+        self,
+        state: GatewayState,
+        path: str | Path,
+        overrides: dict[str, Any] | None = None,
+        digest: bytes | None = None,
+        on_applied: Callable[[], None] | None = None,
     ) -> None:
+        """``digest``: of the file the running config came from, when that is not the file as
+        it is now (a worker started again with its siblings' config: a change since is then
+        reloaded by the watch). ``on_applied``: called after each applied reload."""
         self._state = state
         self._path = Path(path)
         self._overrides = overrides or {}
-        self._digest = self._read_digest()
+        self._digest = digest if digest is not None else self._read_digest()
+        self._on_applied = on_applied
         self._tasks: set[asyncio.Task[str]] = set()
         self._lock = asyncio.Lock()  # a SIGHUP during a watch-triggered reload waits its turn
         # Every result exported at 0 from the start: a counter born at 1 by the first rejection
         # shows Prometheus no increase, and LLMGatewayConfigReloadRejected would never fire for it.
         for result in ("applied", "rejected", "unchanged"):
             state.metrics.config_reloads.labels(result)
+
+    @property
+    def digest(self) -> bytes | None:
+        """Of the file as last read (at start, or by the last reload)."""
+        return self._digest
 
     def reload_soon(self) -> None:
         """For the SIGHUP handler: reload in a task (signal handlers cannot await)."""
@@ -157,6 +172,8 @@ class ConfigReloader:
                 await apply_config(self._state, new)
                 result = "applied"
                 log.warning("config reload: applied %s", self._path)
+                if self._on_applied is not None:
+                    self._on_applied()
         except ConfigError as exc:
             result = "rejected"
             log.error("config reload: rejected %s, keeping the running config: %s", self._path, exc)

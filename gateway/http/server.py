@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
-import multiprocessing
 import os
 import secrets
 import shutil
@@ -33,19 +32,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from gateway.config import ConfigError, GatewayConfig, ServerConfig, load_config
-from gateway.fleet.worker_table import WorkerTable, create_table
+from gateway.config import ConfigError, GatewayConfig, ServerConfig
+from gateway.fleet.worker_table import create_table
 from gateway.http.app import build_app
 from gateway.http.connections import ClientGuard, GuardedRunner, connection_cap
 from gateway.http.middleware import IN_FLIGHT, InFlight, remember_response
 from gateway.http.reload import ConfigReloader
 from gateway.http.state import STATE, GatewayState
+from gateway.http.supervisor import publish_config, supervise
 from gateway.http.workers import WorkerSlot
 
 __all__ = [
@@ -60,9 +59,6 @@ log = logging.getLogger(__name__)
 _AIOHTTP_SHUTDOWN_GRACE_S = 2.0  # after our own shutdown deadline
 _REPEAT_WINDOW_S = 1.0  # a stop signal again within this is the same stop delivered twice
 _PR_SET_PDEATHSIG = 1
-_RESPAWN_WINDOW_S = 60.0  # a worker's exits this recent count towards its next delay
-_RESPAWN_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # by its exits in the window
-_WAIT_SLICE_S = 0.2  # the parent looks at its stop flag at least this often while a respawn waits
 
 
 @dataclass(frozen=True)
@@ -72,6 +68,7 @@ class ReloadSource:
     path: Path
     overrides: dict[str, Any] = field(default_factory=dict)
     watch_interval_s: float = 2.0
+    digest: bytes | None = None  # of the file the running config came from (None: read it at start)
 
 
 def install_uvloop() -> bool:
@@ -142,8 +139,6 @@ async def _serve_one(
         max_header_bytes=server.max_header_bytes,
         max_headers=server.max_headers,
     )
-    if on_listening is not None:
-        on_listening()
     state = app[STATE]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -166,13 +161,23 @@ async def _serve_one(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop_signal)
     if reload is not None:
-        reloader = ConfigReloader(state, reload.path, reload.overrides)
+        publish = None
+        if worker is not None:  # what this worker runs, for a replacement of any worker
+
+            def publish() -> None:
+                publish_config(worker.directory, worker.index, state.config, reloader.digest)
+
+        reloader = ConfigReloader(state, reload.path, reload.overrides, reload.digest, on_applied=publish)
         loop.add_signal_handler(signal.SIGHUP, reloader.reload_soon)
         tasks.append(asyncio.create_task(reloader.watch(reload.watch_interval_s), name="config-watch"))
+        if publish is not None:
+            publish()
     else:  # no file to re-read, but SIGHUP must not kill the process; the keys file still reloads
         loop.add_signal_handler(signal.SIGHUP, lambda: _reload_keys(state))
         if state.auth is not None:
             tasks.append(asyncio.create_task(_watch_keys(state), name="keys-watch"))
+    if on_listening is not None:  # now that its signal handlers are in (the parent held them back)
+        on_listening()
     log.info(
         "llm-gateway pid %d listening on http://%s:%d (%d endpoints)",
         os.getpid(),
@@ -238,7 +243,7 @@ def _worker_main(
     reload: ReloadSource | None,
     worker: WorkerSlot,
     parent: int,
-    started: Connection | None = None,
+    started: Any = None,
 ) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the loop's handler: a reload must not kill
     _die_with_parent(parent)
@@ -300,149 +305,7 @@ def serve(config: GatewayConfig, reload: ReloadSource | None = None) -> int:
     directory = tempfile.mkdtemp(prefix="llm-gateway-", dir=shm)
     try:
         spec = create_table(directory, config.server.worker_table_rows, config.server.workers)
-        return _supervise(
-            config, reload, [WorkerSlot(i, directory, spec) for i in range(config.server.workers)]
-        )
+        slots = [WorkerSlot(i, directory, spec) for i in range(config.server.workers)]
+        return supervise(config, reload, slots, _worker_main)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-@dataclass
-class _Worker:
-    """One running worker process: its slot, and whether it ever started serving."""
-
-    slot: WorkerSlot
-    process: multiprocessing.process.BaseProcess
-    started: Connection  # the worker writes one byte here once its listener is up
-
-    def served(self) -> bool:
-        """Whether it ever listened (read after it exited; a pipe, not an Event: no resource tracker)."""
-        try:  # poll() is also true at EOF (the worker died before it wrote): read the byte
-            return self.started.poll() and self.started.recv_bytes() == b"1"
-        except (OSError, EOFError):
-            return False
-
-
-@dataclass
-class _Respawns:
-    """When each slot's worker died lately, so a worker that keeps dying is started ever slower."""
-
-    exits: dict[int, list[float]] = field(default_factory=dict)
-
-    def delay_after_exit(self, index: int, now: float) -> float:
-        recent = [t for t in self.exits.get(index, []) if now - t < _RESPAWN_WINDOW_S] + [now]
-        self.exits[index] = recent
-        return _RESPAWN_DELAYS_S[min(len(recent), len(_RESPAWN_DELAYS_S)) - 1]
-
-
-def _supervise(config: GatewayConfig, reload: ReloadSource | None, slots: list[WorkerSlot]) -> int:
-    """Start the workers, forward signals to them, clear the shared cells of each that exits,
-    and start a dead worker again; the exit status: 0 after a requested stop that every worker
-    ended cleanly (a worker that died before it and was started again does not count), else 1.
-
-    A worker that dies (killed, crashed, OOM) leaves the others serving; its in-flight counts and
-    its half-open probes are taken out of the table at once, so no endpoint stays loaded by
-    requests nobody is running any more. It is then started again in the same slot (at once,
-    then slower while it keeps dying: ``_RESPAWN_DELAYS_S``) with the config as it is now (the
-    file re-read, as a reload would), so the gateway does not run on fewer cores for good. A
-    worker that exits on its own before it ever served (a taken port, a bad config: exit status
-    1) is not started again: it would fail the same way; when every worker has, the gateway
-    exits 1. One killed by a signal while it started is started again.
-    """
-    context = multiprocessing.get_context("spawn")
-    parent = os.getpid()
-    stopping = False
-
-    def start(slot: WorkerSlot, worker_config: GatewayConfig) -> _Worker:
-        started, tell_started = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_worker_main,
-            args=(worker_config, worker_config.log_level, reload, slot, parent, tell_started),
-            name=f"gateway-worker-{slot.index}",
-        )
-        process.start()
-        tell_started.close()  # the worker's end
-        return _Worker(slot, process, started)
-
-    running = {w.process.sentinel: w for w in (start(slot, config) for slot in slots)}
-    due: dict[int, tuple[float, WorkerSlot]] = {}  # slot index -> (when, slot) of a respawn to come
-    respawns = _Respawns()
-
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = stopping or signum != signal.SIGHUP
-        for worker in list(running.values()):
-            if worker.process.is_alive() and worker.process.pid is not None:
-                os.kill(worker.process.pid, signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
-    table = WorkerTable(slots[0].table, None)
-    failed = False
-    try:
-        while running or (due and not stopping):
-            timeout = None  # no respawn waiting: until a worker exits (a signal stops them all)
-            if due and not stopping:
-                next_due = min(when for when, _ in due.values())
-                timeout = min(_WAIT_SLICE_S, max(0.0, next_due - time.monotonic()))
-            for sentinel in wait(list(running), timeout=timeout):
-                worker = running.pop(sentinel)
-                worker.process.join()
-                slot = worker.slot
-                table.clear_worker(slot.index)
-                served = worker.served()
-                worker.started.close()
-                if stopping:
-                    failed = failed or worker.process.exitcode != 0
-                    continue
-                if not served and (worker.process.exitcode or 0) >= 0:
-                    failed = True
-                    log.error(
-                        "worker %d (pid %s) exited with %s before it served; not started again",
-                        slot.index,
-                        worker.process.pid,
-                        worker.process.exitcode,
-                    )
-                    continue
-                delay = respawns.delay_after_exit(slot.index, time.monotonic())
-                due[slot.index] = (time.monotonic() + delay, slot)
-                log.warning(
-                    "worker %d (pid %s) exited with %s; its shared load counts were cleared; "
-                    "starting it again in %.1f s",
-                    slot.index,
-                    worker.process.pid,
-                    worker.process.exitcode,
-                    delay,
-                )
-            if stopping:
-                due.clear()
-            now = time.monotonic()
-            for index, (when, slot) in list(due.items()):
-                if when <= now:
-                    del due[index]
-                    again = dataclasses.replace(slot, respawns=slot.respawns + 1)
-                    worker = start(again, _config_now(config, reload))
-                    running[worker.process.sentinel] = worker
-                    log.warning("worker %d started again (pid %s)", index, worker.process.pid)
-                    if stopping and worker.process.pid is not None:  # the stop came while it started
-                        os.kill(worker.process.pid, signal.SIGTERM)
-    finally:
-        table.close()
-    if not stopping:  # every worker gone with nobody asking: a failure (a taken port …)
-        log.error("every worker has exited without a stop signal")
-        return 1
-    return 1 if failed else 0
-
-
-def _config_now(config: GatewayConfig, reload: ReloadSource | None) -> GatewayConfig:
-    """The config a worker started again gets: the file as it is now, as its siblings reloaded
-    it; the ``server`` section stays the one the gateway started with (its port, its workers:
-    a reload does not move them either). A file that no longer loads: the start config."""
-    if reload is None:
-        return config
-    try:
-        now = load_config(reload.path, overrides=reload.overrides)
-    except (ConfigError, OSError) as exc:
-        log.error("config file not loadable for a restarted worker; it starts with the start config: %s", exc)
-        return config
-    return now.model_copy(update={"server": config.server})

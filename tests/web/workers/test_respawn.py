@@ -1,5 +1,6 @@
-"""A worker that dies is started again: with the config as reloaded and the admin changes it
-missed, counted in /metrics; one that keeps dying is started ever slower."""
+"""A worker that dies is started again: with the config its siblings run and the admin changes
+it missed, counted in /metrics; signals sent while it starts wait for it; one that keeps dying
+is started ever slower."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from gateway.http.server import _RESPAWN_DELAYS_S, _RESPAWN_WINDOW_S, _Respawns
+from gateway.http.supervisor import RESPAWN_DELAYS_S, STABLE_S, Backoff
 from tests.support.workers import by_worker, children, spawn_gateway, worker_pids
 
 KEY = "respawn-admin-key"
@@ -39,6 +40,21 @@ async def _new_worker(gw, old: set[int]) -> int:
             return fresh.pop()
         await asyncio.sleep(0.05)
     raise AssertionError(f"no worker started again: children {children(gw.pid)}\n{gw.log_tail(3000)}")
+
+
+async def _gateway(tmp_path, urls: list[str]):
+    """``serve --workers 2`` with a config file (returned, to be changed) naming ``urls``."""
+    config = tmp_path / "gw.yaml"
+    config.write_text(_config(urls))
+    return await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path), config
+
+
+async def _kill_one_worker(gw) -> tuple[set[int], int]:
+    """Both workers listening, then one SIGKILLed: (the workers before, its replacement's pid)."""
+    async with by_worker(gw.url):
+        old = worker_pids(gw.pid)
+    os.kill(min(old), signal.SIGKILL)
+    return old, await _new_worker(gw, old)
 
 
 @contextlib.asynccontextmanager
@@ -72,9 +88,7 @@ async def test_a_killed_worker_is_started_again_with_the_reloaded_config_and_the
     start_sim, tmp_path
 ):
     sims = [await start_sim(model="m") for _ in range(3)]
-    config = tmp_path / "gw.yaml"
-    config.write_text(_config([sims[0].url]))
-    gw = await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path)
+    gw, config = await _gateway(tmp_path, [sims[0].url])
     try:
         async with by_worker(gw.url) as found:
             first, second = (sessions[0] for sessions in found.values())
@@ -122,9 +136,7 @@ async def test_a_killed_worker_is_started_again_with_the_reloaded_config_and_the
 
 async def test_a_killed_worker_and_its_replacement_killed_as_it_starts_are_both_replaced(start_sim, tmp_path):
     sims = [await start_sim(model="m") for _ in range(2)]
-    config = tmp_path / "gw.yaml"
-    config.write_text(_config([s.url for s in sims]))
-    gw = await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path)
+    gw, _ = await _gateway(tmp_path, [s.url for s in sims])
     try:
         async with by_worker(gw.url):  # both listen
             old = worker_pids(gw.pid)
@@ -152,11 +164,134 @@ async def test_a_killed_worker_and_its_replacement_killed_as_it_starts_are_both_
         await gw.stop()
 
 
-@pytest.mark.parametrize("gap_s", [0.0, 1.0])
-def test_a_worker_that_keeps_dying_is_started_ever_slower(gap_s):
-    respawns = _Respawns()
-    delays = [respawns.delay_after_exit(0, 100.0 + i * gap_s) for i in range(len(_RESPAWN_DELAYS_S) + 3)]
-    assert delays == [*_RESPAWN_DELAYS_S, *[_RESPAWN_DELAYS_S[-1]] * 3]
-    assert respawns.delay_after_exit(1, 100.0) == 0.0  # another slot has its own count
-    # a minute without dying: the next death is started at once again
-    assert respawns.delay_after_exit(0, 200.0 + _RESPAWN_WINDOW_S) == 0.0
+def test_a_worker_that_keeps_dying_is_started_ever_slower_until_one_runs_stably():
+    backoff = Backoff()
+    delays = [backoff.delay_after_exit(0, ran_s=1.0) for _ in range(len(RESPAWN_DELAYS_S) + 5)]
+    assert delays == [*RESPAWN_DELAYS_S, *[RESPAWN_DELAYS_S[-1]] * 5]  # a crash loop stays slow
+    assert backoff.delay_after_exit(1, ran_s=1.0) == 0.0  # another slot has its own count
+    assert backoff.delay_after_exit(0, ran_s=STABLE_S) == 0.0  # it ran a minute: at once again
+    assert backoff.delay_after_exit(0, ran_s=1.0) == RESPAWN_DELAYS_S[1]
+
+
+async def _respawns(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llm_gateway_worker_respawns_total{")
+    }
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+async def test_a_signal_sent_while_a_replacement_starts_waits_for_it(start_sim, tmp_path, signum):
+    """SIGTERM: the stop drains every worker and exits 0 (sent at once, it killed the half-started
+    worker: exit 1). SIGHUP: the replacement reloads once it listens (sent at once, it died and
+    was counted as a second death)."""
+    sims = [await start_sim(model="m")]
+    gw, _ = await _gateway(tmp_path, [sims[0].url])
+    try:
+        old, fresh = await _kill_one_worker(gw)
+        await asyncio.sleep(0.05)  # it is importing: no handlers yet
+        os.kill(gw.pid, signum)
+        if signum == signal.SIGTERM:
+            code = await asyncio.wait_for(gw.process.wait(), 30)
+            assert code == 0, gw.log_tail(3000)
+            assert "exited with -15" not in gw.log_tail(5000)
+            return
+        async with _session_on(gw.url, fresh):
+            pass
+        await asyncio.sleep(0.5)
+        assert worker_pids(gw.pid) == (old - {min(old)}) | {fresh}, gw.log_tail(3000)
+        assert sorted((await _respawns(gw.url)).values()) == [0.0, 1.0]
+    finally:
+        await gw.stop()
+
+
+async def test_a_replacement_runs_what_its_siblings_run_not_a_file_they_refused(start_sim, tmp_path):
+    """The file is turned into one the reload refuses (no endpoints left), then into bytes that
+    are not UTF-8: the siblings keep their config, and so must a replacement (before, it ran
+    the refused file, or the parent died on the decoding error)."""
+    sims = [await start_sim(model="m") for _ in range(2)]
+    gw, config = await _gateway(tmp_path, [sims[0].url])
+    try:
+        async with by_worker(gw.url) as found:
+            first = next(iter(found.values()))[0]
+            config.write_text(_config([sims[0].url, sims[1].url]))  # applied
+            os.kill(gw.pid, signal.SIGHUP)
+            for _ in range(100):
+                if len(await _admin_rows(first, gw.url)) == 2:
+                    break
+                await asyncio.sleep(0.05)
+        for bad in (b"scrape:\n  enabled: false\nendpoints: []\n", b"# caf\xe9\nendpoints: []\n"):
+            config.write_bytes(bad)
+            os.kill(gw.pid, signal.SIGHUP)  # refused by both workers
+            await asyncio.sleep(0.3)
+            old = worker_pids(gw.pid)
+            os.kill(min(old), signal.SIGKILL)
+            fresh = await _new_worker(gw, old)
+            async with _session_on(gw.url, fresh) as session:
+                rows = await _admin_rows(session, gw.url)
+                assert set(rows) == {s.url for s in sims}, (bad, rows, gw.log_tail(3000))
+                async with session.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200, await resp.text()
+        assert gw.running, gw.log_tail(3000)
+    finally:
+        code = await gw.stop()
+    assert code == 0, gw.log_tail(3000)
+
+
+async def test_a_file_change_made_while_a_replacement_starts_reaches_it(start_sim, tmp_path):
+    """No SIGHUP (a ConfigMap update): the siblings' file watch applies it, and so must the
+    replacement's, though the change came after the config it was handed was made."""
+    sims = [await start_sim(model="m") for _ in range(2)]
+    gw, config = await _gateway(tmp_path, [sims[0].url])
+    try:
+        _, fresh = await _kill_one_worker(gw)
+        config.write_text(_config([s.url for s in sims]))
+        async with _session_on(gw.url, fresh) as session:
+            for _ in range(100):  # the watch polls every 2 s
+                if len(await _admin_rows(session, gw.url)) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(await _admin_rows(session, gw.url)) == 2, gw.log_tail(3000)
+    finally:
+        await gw.stop()
+
+
+async def test_a_replacement_that_fails_to_start_is_retried(start_sim, tmp_path):
+    """The first start failing (a taken port) is not retried; a replacement failing (the API key
+    file of an endpoint gone while a Secret rotates) is, and starts once the file is back."""
+    sims = [await start_sim(model="m")]
+    key_file = tmp_path / "token"
+    key_file.write_text("secret-token\n")
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        "server:\n  drain_s: 0.2\n  shutdown_timeout_s: 1\nscrape:\n  enabled: false\n"
+        f"endpoints:\n  - url: {sims[0].url}\n    models: [m]\n    api_key_file: {key_file}\n"
+    )
+    gw = await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path)
+    try:
+        async with by_worker(gw.url):
+            old = worker_pids(gw.pid)
+        key_file.unlink()
+        os.kill(min(old), signal.SIGKILL)
+        for _ in range(200):
+            if gw.log_tail(20000).count("exited with 1") >= 2:  # failed, retried, failed again
+                break
+            await asyncio.sleep(0.05)
+        assert "not started again" not in gw.log_tail(20000), gw.log_tail(3000)
+        key_file.write_text("secret-token\n")
+        served_by: set[str] = set()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+            for _ in range(600):  # a replacement started before the file was back fails too
+                async with http.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200, await resp.text()
+                    served_by.add(resp.headers["x-gateway-worker"])
+                if served_by - {str(p) for p in old}:
+                    break
+                await asyncio.sleep(0.05)
+        assert served_by - {str(p) for p in old}, (served_by, gw.log_tail(3000))
+    finally:
+        code = await gw.stop()
+    assert code == 0, gw.log_tail(3000)

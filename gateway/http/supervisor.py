@@ -1,0 +1,237 @@
+"""The parent of ``serve --workers N``: starts the worker processes, forwards signals to them,
+clears a dead worker's shared cells, and starts it again.
+
+Why restart: a worker killed (the OOM killer, ``kill -9``) or crashed would otherwise leave the
+gateway on fewer cores for good. A replacement starts in the same slot (at once, then slower
+while it keeps dying: :class:`Backoff`) with the config its siblings run — each worker writes
+what it runs, after its start and after every reload it applies, to the shared directory
+(:func:`publish_config`), so a replacement runs neither the start config nor a file its
+siblings refused — and applies the newest admin state (``AdminShare.catch_up``).
+
+Signals: the parent forwards SIGTERM, SIGINT and SIGHUP to each worker that is listening. A
+worker still starting gets them once it listens (it writes one byte on a pipe then): sent at
+once, a signal would kill it half-started (its loop's handlers are not in yet), and a stop
+would end with a worker killed rather than drained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.fleet.worker_table import WorkerTable
+from gateway.http.workers import WorkerSlot
+
+__all__ = ["RESPAWN_DELAYS_S", "STABLE_S", "Backoff", "publish_config", "published_config", "supervise"]
+
+log = logging.getLogger(__name__)
+
+RESPAWN_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # by the deaths since it last ran stably
+STABLE_S = 60.0  # a worker that ran this long before it died starts the delays over
+_WAIT_SLICE_S = 0.2  # the parent looks at its stop flag at least this often while a respawn waits
+_CONFIG_FILE = "config-{}.pickle"
+
+# (the worker's entry point): config, log level, reload source, slot, parent pid, "started" pipe
+WorkerMain = Callable[[GatewayConfig, str, Any, WorkerSlot, int, Connection | None], None]
+
+
+@dataclass
+class _Worker:
+    """One worker process: its slot, whether it listens yet, the signals it gets once it does."""
+
+    slot: WorkerSlot
+    process: multiprocessing.process.BaseProcess
+    started: Connection  # the worker writes one byte here once its listener is up
+    born: float
+    listening: bool = False
+    silent: bool = False  # its pipe closed without the byte: it died before it listened
+    pending: list[int] = field(default_factory=list)
+
+    def read_started(self) -> bool:
+        """Whether it wrote its byte (poll() is also true at EOF: a worker that died first)."""
+        if not self.listening and not self.silent:
+            try:
+                self.listening = self.started.poll() and self.started.recv_bytes() == b"1"
+            except (OSError, EOFError):
+                self.silent = True
+        return self.listening
+
+    def signal(self, signum: int) -> None:
+        if not self.listening:
+            if signum not in self.pending:
+                self.pending.append(signum)
+            return
+        if self.process.is_alive() and self.process.pid is not None:
+            os.kill(self.process.pid, signum)
+
+
+@dataclass
+class Backoff:
+    """How long to wait before starting a slot's worker again: longer with each death, back to
+    zero once a worker has run ``STABLE_S`` (a crash loop stays at the longest delay)."""
+
+    deaths: dict[int, int] = field(default_factory=dict)
+
+    def delay_after_exit(self, index: int, ran_s: float) -> float:
+        level = 0 if ran_s >= STABLE_S else self.deaths.get(index, 0)
+        self.deaths[index] = level + 1
+        return RESPAWN_DELAYS_S[min(level, len(RESPAWN_DELAYS_S) - 1)]
+
+
+def publish_config(directory: str, index: int, config: GatewayConfig, digest: bytes | None) -> None:
+    """What this worker runs, for a replacement of any worker (written whole, then renamed;
+    pickled as ``spawn`` passes it; the directory is the gateway's own, 0700)."""
+    path = Path(directory) / _CONFIG_FILE.format(index)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(pickle.dumps((config, digest)))
+    os.replace(partial, path)
+
+
+def published_config(directory: str) -> tuple[GatewayConfig, bytes | None] | None:
+    """The config the workers run (the newest any worker wrote), with the digest of the file
+    it came from; None when there is none or it cannot be read."""
+    paths = list(Path(directory).glob(_CONFIG_FILE.format("*")))
+    if not paths:
+        return None
+    try:
+        newest = max(paths, key=lambda path: path.stat().st_mtime_ns)
+        config, digest = pickle.loads(newest.read_bytes())
+    except Exception as exc:  # a file gone or torn: the replacement starts with the start config
+        log.error("the workers' config could not be read; a replacement gets the start config: %s", exc)
+        return None
+    if not isinstance(config, GatewayConfig) or not isinstance(digest, bytes | None):
+        return None
+    return config, digest
+
+
+def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worker_main: WorkerMain) -> int:
+    """Run the workers until a stop signal; the exit status: 0 when every worker ended cleanly at
+    the stop (one that died earlier and was started again does not count), else 1.
+
+    A worker that exits on its own before it first listened (a taken port, a bad config: exit
+    status 1) is not started again, it would fail the same way; when every worker has, the
+    gateway exits 1. A replacement that fails that way is retried (a Secret being rotated).
+    """
+    context = multiprocessing.get_context("spawn")
+    parent = os.getpid()
+    stopping = False
+    running: dict[Any, _Worker] = {}  # by sentinel
+    due: dict[int, tuple[float, WorkerSlot]] = {}  # slot index -> (when, slot) of a respawn to come
+    backoff = Backoff()
+    directory = slots[0].directory
+
+    def start(slot: WorkerSlot, worker_config: GatewayConfig, worker_reload: Any) -> None:
+        started, tell_started = context.Pipe(duplex=False)
+        process = context.Process(
+            target=worker_main,
+            args=(worker_config, worker_config.log_level, worker_reload, slot, parent, tell_started),
+            name=f"gateway-worker-{slot.index}",
+        )
+        process.start()
+        tell_started.close()  # the worker's end
+        running[process.sentinel] = _Worker(slot, process, started, time.monotonic())
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = stopping or signum != signal.SIGHUP
+        for worker in list(running.values()):
+            worker.signal(signum)
+
+    for slot in slots:
+        start(slot, config, reload)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    table = WorkerTable(slots[0].table, None)
+    failed = False
+    try:
+        while running or (due and not stopping):
+            timeout = None  # no respawn waiting: until a worker starts or exits
+            if due and not stopping:
+                next_due = min(when for when, _ in due.values())
+                timeout = min(_WAIT_SLICE_S, max(0.0, next_due - time.monotonic()))
+            starting = {w.started: w for w in running.values() if not (w.listening or w.silent)}
+            for ready in wait([*running, *starting], timeout=timeout):
+                if ready in starting:
+                    worker = starting[ready]
+                    if worker.read_started():
+                        for signum in worker.pending:  # what came while it started
+                            worker.signal(signum)
+                        worker.pending.clear()
+                    continue
+                worker = running.pop(ready)
+                failed = _reap(worker, table, stopping, due, backoff) or failed
+            if stopping:
+                due.clear()
+            now = time.monotonic()
+            for index, (when, slot) in list(due.items()):
+                if when > now:
+                    continue
+                del due[index]
+                again = dataclasses.replace(slot, respawns=slot.respawns + 1)
+                try:
+                    worker_config, worker_reload = _config_for_replacement(config, reload, directory)
+                    start(again, worker_config, worker_reload)
+                except Exception:  # e.g. no memory for a process right after an OOM kill: retry
+                    delay = backoff.delay_after_exit(index, 0.0)
+                    log.exception("worker %d could not be started again; next try in %.1f s", index, delay)
+                    due[index] = (time.monotonic() + delay, slot)
+                    continue
+                log.warning("worker %d started again (respawn %d)", index, again.respawns)
+    finally:
+        table.close()
+    if not stopping:  # every worker gone with nobody asking: a failure (a taken port …)
+        log.error("every worker has exited without a stop signal")
+        return 1
+    return 1 if failed else 0
+
+
+def _reap(
+    worker: _Worker,
+    table: WorkerTable,
+    stopping: bool,
+    due: dict[int, tuple[float, WorkerSlot]],
+    backoff: Backoff,
+) -> bool:
+    """A worker exited: clear its cells, schedule its replacement; whether it counts as failed."""
+    process, slot = worker.process, worker.slot
+    process.join()
+    table.clear_worker(slot.index)
+    listened = worker.read_started()
+    worker.started.close()
+    code = process.exitcode
+    if stopping:
+        return code != 0
+    if not listened and slot.respawns == 0 and (code or 0) >= 0:
+        log.error("worker %d (pid %s) exited with %s before it served; not started again",
+                  slot.index, process.pid, code)  # fmt: skip
+        return True
+    delay = backoff.delay_after_exit(slot.index, time.monotonic() - worker.born)
+    due[slot.index] = (time.monotonic() + delay, slot)
+    log.warning("worker %d (pid %s) exited with %s; its shared load counts were cleared; "
+                "starting it again in %.1f s", slot.index, process.pid, code, delay)  # fmt: skip
+    return False
+
+
+def _config_for_replacement(config: GatewayConfig, reload: Any, directory: str) -> tuple[GatewayConfig, Any]:
+    """The config its siblings run (the ``server`` section is the start's either way), and the
+    reload source with the digest of the file that config came from: the replacement's file
+    watch then applies a change made since, as its siblings' watches do."""
+    published = published_config(directory)
+    if published is None:
+        return config, reload
+    running, digest = published
+    running = running.model_copy(update={"server": config.server})
+    if reload is not None:
+        reload = dataclasses.replace(reload, digest=digest)
+    return running, reload
