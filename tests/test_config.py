@@ -245,6 +245,15 @@ def test_empty_file_is_the_defaults(tmp_path):
     assert config.endpoints == []
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    """Not a UnicodeDecodeError: the reloader and the worker supervisor catch ConfigError (a
+    SIGHUP reload's task died on it, and a worker's respawn killed the supervisor)."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"# caf\xe9\nserver:\n  port: 8080\n")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(path, environ={})
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "nope.yaml", environ={})
