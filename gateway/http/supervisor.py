@@ -17,6 +17,7 @@ would end with a worker killed rather than drained.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -31,7 +32,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.fleet.worker_table import WorkerTable
-from gateway.http.workers import WorkerSlot
+from gateway.http.workers import STATUS_FILE, WorkerSlot
 
 __all__ = ["RESPAWN_DELAYS_S", "STABLE_S", "Backoff", "publish_config", "published_config", "supervise"]
 
@@ -89,6 +90,15 @@ class Backoff:
         return RESPAWN_DELAYS_S[min(level, len(RESPAWN_DELAYS_S) - 1)]
 
 
+def _write_status(directory: str, configured: int, listening: int, respawns: list[int]) -> None:
+    """What the parent knows and no worker can tell of itself (a slot whose replacement keeps
+    dying has no worker to export it): read by every worker at scrape time (``WorkersStatus``)."""
+    path = Path(directory) / STATUS_FILE
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"configured": configured, "listening": listening, "respawns": respawns}))
+    os.replace(partial, path)
+
+
 def publish_config(directory: str, index: int, config: GatewayConfig, digest: bytes | None) -> None:
     """What this worker runs, for a replacement of any worker (written whole, then renamed;
     pickled as ``spawn`` passes it; the directory is the gateway's own, 0700)."""
@@ -130,6 +140,14 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
     due: dict[int, tuple[float, WorkerSlot]] = {}  # slot index -> (when, slot) of a respawn to come
     backoff = Backoff()
     directory = slots[0].directory
+    respawns = [0] * len(slots)
+
+    def status() -> None:
+        listening = sum(w.listening for w in running.values())
+        try:
+            _write_status(directory, len(slots), listening, respawns)
+        except OSError as exc:  # the directory is ours; a full /dev/shm: the metrics go stale
+            log.error("worker status not written: %s", exc)
 
     def start(slot: WorkerSlot, worker_config: GatewayConfig, worker_reload: Any) -> None:
         started, tell_started = context.Pipe(duplex=False)
@@ -150,6 +168,7 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
 
     for slot in slots:
         start(slot, config, reload)
+    status()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     table = WorkerTable(slots[0].table, None)
@@ -168,9 +187,11 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                         for signum in worker.pending:  # what came while it started
                             worker.signal(signum)
                         worker.pending.clear()
+                        status()
                     continue
                 worker = running.pop(ready)
                 failed = _reap(worker, table, stopping, due, backoff) or failed
+                status()
             if stopping:
                 due.clear()
             now = time.monotonic()
@@ -187,6 +208,8 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                     log.exception("worker %d could not be started again; next try in %.1f s", index, delay)
                     due[index] = (time.monotonic() + delay, slot)
                     continue
+                respawns[index] = again.respawns
+                status()
                 log.warning("worker %d started again (respawn %d)", index, again.respawns)
     finally:
         table.close()

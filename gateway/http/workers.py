@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from gateway.fleet.shared_load import SharedLoad
 from gateway.fleet.worker_table import TableSpec, WorkerTable
@@ -42,9 +45,10 @@ from gateway.sessions.responses import MemoryResponseStore
 from gateway.sessions.session_broadcast import BroadcastSessionStore
 from gateway.sessions.store import MemorySessionStore
 
-__all__ = ["WORKER_HEADER", "WorkerSlot", "attach_worker"]
+__all__ = ["STATUS_FILE", "WORKER_HEADER", "WorkerSlot", "WorkersStatus", "attach_worker"]
 
 WORKER_HEADER = "x-gateway-worker"
+STATUS_FILE = "workers.json"  # the parent's count of its workers (gateway.http.supervisor writes it)
 _IDLE_REFRESH_S = 0.05  # sums refreshed this often without traffic (/metrics, scrapes, queue wakes)
 
 
@@ -60,11 +64,7 @@ class WorkerSlot:
 
 def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -> None:
     table = WorkerTable(slot.table, slot.index)
-    Counter(
-        "llm_gateway_worker_respawns",
-        "Times this worker was started again after its process died (per worker slot)",
-        registry=state.metrics.registry,
-    ).inc(slot.respawns)
+    state.metrics.registry.register(WorkersStatus(slot.directory))
     full = Counter(
         "llm_gateway_worker_table_full",
         "Endpoints the shared worker table had no row for (counted by one worker only)",
@@ -168,6 +168,38 @@ def _share_session_pins(state: GatewayState, slot: WorkerSlot) -> BroadcastSessi
     )
     sessions.store = store
     return store
+
+
+class WorkersStatus:
+    """The parent's view of its workers, read at scrape time from the file it keeps
+    (``gateway.http.supervisor``): every worker exports the same numbers, so take ``max``
+    over ``worker``. A slot whose replacement keeps dying has no worker of its own to say so."""
+
+    def __init__(self, directory: str) -> None:
+        self._path = os.path.join(directory, STATUS_FILE)
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            with open(self._path) as file:
+                status = json.load(file)
+            configured, listening = int(status["configured"]), int(status["listening"])
+            respawns = [int(n) for n in status["respawns"]]
+        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or the parent gone
+            return
+        yield GaugeMetricFamily(
+            "llm_gateway_workers_configured", "Worker processes the gateway runs (server.workers)", configured
+        )
+        yield GaugeMetricFamily(
+            "llm_gateway_workers_listening", "Worker processes serving, by the parent's count", listening
+        )
+        started_again = CounterMetricFamily(
+            "llm_gateway_worker_respawns",
+            "Times a worker slot's process was started again after it died",
+            labels=["slot"],
+        )
+        for index, count in enumerate(respawns):
+            started_again.add_metric([str(index)], count)
+        yield started_again
 
 
 async def _refresh_while_idle(shared: SharedLoad) -> None:

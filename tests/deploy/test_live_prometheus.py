@@ -19,8 +19,9 @@ overload    40 long generations at once on one small replica       HighShedRate 
 redis       its own redis-server SIGKILLed, restarted              RedisFallbacksRising (zero 5xx)
 pd          one prefill replica hands over no KV, the other 500s   PDSilentlyDegraded (and the 500ing
                                                                    prefill replica may be ejected)
-workers     ``serve --workers 2`` (a process of its own): one      WorkerRespawned
-            worker SIGKILLed, the parent starts it again
+workers     ``serve --workers 2`` (a process of its own): its      WorkerRespawned, WorkersDown
+            endpoint's API key file removed and a worker
+            SIGKILLed: the replacements fail until it is back
 ==========  =====================================================  ====================================
 
 Before the faults no alert fires; during them exactly the expected ones fire; after them
@@ -158,7 +159,14 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         pd={"decider": "always"},
     )
     workers_r = await replica()
-    workers = await spawn_gateway([workers_r.url], ["--workers", "2"], tmp_path, name="workers")
+    workers_key = tmp_path / "workers-token"
+    workers_key.write_text("token\n")
+    workers_config = tmp_path / "workers.yaml"
+    workers_config.write_text(
+        f"endpoints:\n  - url: {workers_r.url}\n    models: [m]\n    api_key_file: {workers_key}\n"
+    )
+    workers = await spawn_gateway([], ["--workers", "2", "--config", str(workers_config)], tmp_path,
+                                  name="workers")  # fmt: skip
     stack.push_async_callback(workers.stop)
     gateways = {"main": main, "down": down, "eject": eject, "retry": retry, "overload": overload,
                 "redis": redis_gw, "pd": pd, "workers": workers}  # fmt: skip
@@ -224,6 +232,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
     await prefill.fault(http, "no_transfer")
     await prefill_2.fault(http, "error", status=500)
     api.put(make_pod("sim-1", "127.0.0.1", ready=False, **pod))  # a replica leaves: no alert
+    workers_key.unlink()  # a replacement cannot load its config until the file is back
     os.kill(min(worker_pids(workers.pid)), signal.SIGKILL)
 
     expected: dict[str, dict[str, str]] = {
@@ -236,6 +245,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
         "LLMGatewayRedisFallbacksRising": {},
         "LLMGatewayPDSilentlyDegraded": {"reason": "no_transfer_params"},
         "LLMGatewayWorkerRespawned": {"instance": host(workers)},
+        "LLMGatewayWorkersDown": {"instance": host(workers)},
     }
     # Explained without being required: a prefill replica that answers 500 feeds its breaker
     # like any replica (13ca0a5), so it may be ejected too.
@@ -303,6 +313,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
     await prefill.fault(http, "none")
     await prefill_2.fault(http, "none")
     api.put(make_pod("sim-1", "127.0.0.1", **pod))
+    workers_key.write_text("token\n")
     resolved_after: dict[str, float] = {}
 
     async def all_resolved() -> bool:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.http.supervisor import RESPAWN_DELAYS_S, STABLE_S, Backoff
 from tests.support.workers import by_worker, children, spawn_gateway, worker_pids
@@ -20,6 +21,24 @@ from tests.support.workers import by_worker, children, spawn_gateway, worker_pid
 KEY = "respawn-admin-key"
 ADMIN = {"authorization": f"Bearer {KEY}"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def _worker_metrics(url: str) -> dict[str, float]:
+    """The parent's counts as /metrics has them (each worker exports the same: the max over
+    ``worker``): ``listening``, ``configured`` and ``slot <i>`` (its respawns)."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llm_gateway_worker_respawns_total":
+                key = f"slot {sample.labels['slot']}"
+            elif sample.name.startswith("llm_gateway_workers_"):
+                key = sample.name.removeprefix("llm_gateway_workers_")
+            else:
+                continue
+            found[key] = max(found.get(key, 0.0), sample.value)
+    return found
 
 
 def _config(urls: list[str]) -> str:
@@ -120,14 +139,9 @@ async def test_a_killed_worker_is_started_again_with_the_reloaded_config_and_the
                 async with session.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
                     assert resp.status == 200, await resp.text()
                     assert resp.headers["x-gateway-endpoint"] != sims[0].url.split("://", 1)[1]
-            async with session.get(gw.url + "/metrics") as resp:
-                text = await resp.text()
-        respawns = {
-            line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("llm_gateway_worker_respawns_total{")
-        }
-        assert sorted(respawns.values()) == [0.0, 1.0], respawns
+        counts = await _worker_metrics(gw.url)
+        assert counts["configured"] == counts["listening"] == 2, counts
+        assert sorted([counts["slot 0"], counts["slot 1"]]) == [0.0, 1.0], counts
         assert "worker 1" in gw.log_tail(5000) or "worker 0" in gw.log_tail(5000)
     finally:
         code = await gw.stop()
@@ -173,16 +187,6 @@ def test_a_worker_that_keeps_dying_is_started_ever_slower_until_one_runs_stably(
     assert backoff.delay_after_exit(0, ran_s=1.0) == RESPAWN_DELAYS_S[1]
 
 
-async def _respawns(url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("llm_gateway_worker_respawns_total{")
-    }
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 async def test_a_signal_sent_while_a_replacement_starts_waits_for_it(start_sim, tmp_path, signum):
     """SIGTERM: the stop drains every worker and exits 0 (sent at once, it killed the half-started
@@ -203,7 +207,8 @@ async def test_a_signal_sent_while_a_replacement_starts_waits_for_it(start_sim, 
             pass
         await asyncio.sleep(0.5)
         assert worker_pids(gw.pid) == (old - {min(old)}) | {fresh}, gw.log_tail(3000)
-        assert sorted((await _respawns(gw.url)).values()) == [0.0, 1.0]
+        counts = await _worker_metrics(gw.url)
+        assert sorted([counts["slot 0"], counts["slot 1"]]) == [0.0, 1.0], counts
     finally:
         await gw.stop()
 
@@ -281,6 +286,9 @@ async def test_a_replacement_that_fails_to_start_is_retried(start_sim, tmp_path)
                 break
             await asyncio.sleep(0.05)
         assert "not started again" not in gw.log_tail(20000), gw.log_tail(3000)
+        counts = await _worker_metrics(gw.url)  # seen by the surviving worker: one slot down
+        assert counts["configured"] == 2 and counts["listening"] == 1, counts
+        assert max(counts["slot 0"], counts["slot 1"]) >= 2, counts  # started again, and again
         key_file.write_text("secret-token\n")
         served_by: set[str] = set()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
