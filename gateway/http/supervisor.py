@@ -8,10 +8,10 @@ what it runs, after its start and after every reload it applies, to the shared d
 (:func:`publish_config`), so a replacement runs neither the start config nor a file its
 siblings refused — and applies the newest admin state (``AdminShare.catch_up``).
 
-Signals: the parent forwards SIGTERM, SIGINT and SIGHUP to each worker that is listening. A
-worker still starting gets them once it listens (it writes one byte on a pipe then): sent at
-once, a signal would kill it half-started (its loop's handlers are not in yet), and a stop
-would end with a worker killed rather than drained.
+Signals: the parent forwards SIGTERM, SIGINT and SIGHUP to each worker that is listening (it
+writes one byte on a pipe once it does). A worker still starting serves nothing: a stop ends it
+at once (it may hang, and a stop must not wait for it), and its exit is not a failure; a reload
+reaches it once it listens (sent at once, SIGHUP would kill it half-started).
 """
 
 from __future__ import annotations
@@ -69,12 +69,17 @@ class _Worker:
         return self.listening
 
     def signal(self, signum: int) -> None:
-        if not self.listening:
-            if signum not in self.pending:
-                self.pending.append(signum)
+        """Forward ``signum``. A worker still starting serves nothing: a stop ends it at once
+        (SIGKILL: it may hang or be stopped, and it has nothing to drain); a reload waits
+        until it listens (its loop's handler is not in before)."""
+        if self.process.pid is None or not self.process.is_alive():
             return
-        if self.process.is_alive() and self.process.pid is not None:
+        if self.listening:
             os.kill(self.process.pid, signum)
+        elif signum != signal.SIGHUP:
+            os.kill(self.process.pid, signal.SIGKILL)
+        elif signum not in self.pending:
+            self.pending.append(signum)
 
 
 @dataclass
@@ -149,7 +154,7 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
         except OSError as exc:  # the directory is ours; a full /dev/shm: the metrics go stale
             log.error("worker status not written: %s", exc)
 
-    def start(slot: WorkerSlot, worker_config: GatewayConfig, worker_reload: Any) -> None:
+    def start(slot: WorkerSlot, worker_config: GatewayConfig, worker_reload: Any) -> _Worker:
         started, tell_started = context.Pipe(duplex=False)
         process = context.Process(
             target=worker_main,
@@ -158,7 +163,8 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
         )
         process.start()
         tell_started.close()  # the worker's end
-        running[process.sentinel] = _Worker(slot, process, started, time.monotonic())
+        worker = running[process.sentinel] = _Worker(slot, process, started, time.monotonic())
+        return worker
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -202,7 +208,7 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                 again = dataclasses.replace(slot, respawns=slot.respawns + 1)
                 try:
                     worker_config, worker_reload = _config_for_replacement(config, reload, directory)
-                    start(again, worker_config, worker_reload)
+                    replacement = start(again, worker_config, worker_reload)
                 except Exception:  # e.g. no memory for a process right after an OOM kill: retry
                     delay = backoff.delay_after_exit(index, 0.0)
                     log.exception("worker %d could not be started again; next try in %.1f s", index, delay)
@@ -210,6 +216,8 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                     continue
                 respawns[index] = again.respawns
                 status()
+                if stopping:  # the stop came while it was being started: the handler missed it
+                    replacement.signal(signal.SIGTERM)
                 log.warning("worker %d started again (respawn %d)", index, again.respawns)
     finally:
         table.close()
@@ -233,8 +241,8 @@ def _reap(
     listened = worker.read_started()
     worker.started.close()
     code = process.exitcode
-    if stopping:
-        return code != 0
+    if stopping:  # one that never listened served nothing: ended by the stop, not failed
+        return code != 0 and listened
     if not listened and slot.respawns == 0 and (code or 0) >= 0:
         log.error("worker %d (pid %s) exited with %s before it served; not started again",
                   slot.index, process.pid, code)  # fmt: skip

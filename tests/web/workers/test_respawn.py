@@ -303,3 +303,55 @@ async def test_a_replacement_that_fails_to_start_is_retried(start_sim, tmp_path)
     finally:
         code = await gw.stop()
     assert code == 0, gw.log_tail(3000)
+
+
+@pytest.mark.parametrize("how", ["replacement-hangs", "group-sigint"])
+async def test_a_stop_during_a_respawn_ends_at_once_and_exits_0(start_sim, tmp_path, how):
+    """A replacement that has not listened serves nothing: a stop ends it at once (it may hang:
+    here SIGSTOPped) and its death is no failure — also when the stop reached it directly
+    (Ctrl-C or systemd signal the whole group, and it dies importing)."""
+    sims = [await start_sim(model="m")]
+    config = tmp_path / "gw.yaml"
+    config.write_text(_config([sims[0].url]))
+    gw = await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path, new_session=True)
+    try:
+        _, fresh = await _kill_one_worker(gw)
+        if how == "replacement-hangs":
+            os.kill(fresh, signal.SIGSTOP)
+            os.kill(gw.pid, signal.SIGTERM)
+        else:
+            await asyncio.sleep(0.05)
+            os.killpg(gw.pid, signal.SIGINT)
+        code = await asyncio.wait_for(gw.process.wait(), 15)
+        assert code == 0, gw.log_tail(3000)
+    finally:
+        await gw.stop()
+
+
+async def test_a_replacement_does_not_make_the_config_it_was_handed_look_newest(start_sim, tmp_path):
+    """Worker 0's replacement is handed config R1; while it starts, its sibling applies R2, then
+    the file turns invalid. Had the replacement published R1 on starting, R1 would be the newest
+    publication, and the next replacement would go back to it from R2."""
+    sims = [await start_sim(model="m") for _ in range(2)]
+    gw, config = await _gateway(tmp_path, [sims[0].url])
+    try:
+        old, fresh = await _kill_one_worker(gw)
+        os.kill(fresh, signal.SIGSTOP)  # held before it listens
+        sibling = next(iter(old - {min(old)}))
+        config.write_text(_config([s.url for s in sims]))
+        os.kill(gw.pid, signal.SIGHUP)  # the sibling applies R2 and publishes it
+        async with _session_on(gw.url, sibling) as session:
+            for _ in range(100):
+                if len(await _admin_rows(session, gw.url)) == 2:
+                    break
+                await asyncio.sleep(0.05)
+        config.write_text("endpoints: not-a-list\n")
+        os.kill(fresh, signal.SIGCONT)
+        async with _session_on(gw.url, fresh):
+            pass
+        os.kill(sibling, signal.SIGKILL)
+        second = await _new_worker(gw, {sibling, fresh})
+        async with _session_on(gw.url, second) as session:
+            assert len(await _admin_rows(session, gw.url)) == 2, gw.log_tail(3000)
+    finally:
+        await gw.stop()
