@@ -307,10 +307,12 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
                 state.plugin_context.latency.forget(endpoint.name)
             client.remove(endpoint.url)  # idle connections close now, busy ones when done
 
+    probe_tasks: set[asyncio.Task[None]] = set()
+
     def on_added(endpoints: list[Endpoint]) -> None:
         task = asyncio.get_running_loop().create_task(health.check(endpoints))
-        forget_tasks.add(task)
-        task.add_done_callback(forget_tasks.discard)
+        probe_tasks.add(task)
+        task.add_done_callback(probe_tasks.discard)
 
     def on_health_change(endpoint: Endpoint, healthy: bool) -> None:
         if not healthy:
@@ -340,7 +342,9 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         PDCoordinator(client, state.config.pd, state.metrics),
     )
     yield
-    await asyncio.gather(*forget_tasks, return_exceptions=True)
+    for task in probe_tasks:  # a new replica's first probe can take the whole health timeout:
+        task.cancel()  # a stop does not wait for it
+    await asyncio.gather(*forget_tasks, *probe_tasks, return_exceptions=True)
     await client.close()
     await session.close()
 

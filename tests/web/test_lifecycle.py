@@ -145,3 +145,34 @@ async def test_keys_file_changes_are_picked_up_without_a_signal(start_sim, http,
 
 async def _is(awaitable, expected) -> bool:
     return await awaitable == expected
+
+
+async def test_a_stop_does_not_wait_for_a_reload_probing_a_silent_replica(start_sim, tmp_path):
+    """A reload adds a replica that accepts connections and never answers, with a 20 s health
+    timeout; a stop then comes. The reload is abandoned, not waited for: the stop takes its
+    drain and shutdown budget, not the probe's 20 s."""
+    sim = await start_sim(model="m")
+    silent = await asyncio.start_server(lambda _r, _w: None, "127.0.0.1", 0)  # accepts, never answers
+    silent_url = f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+
+    def config(urls: list[str]) -> str:
+        return yaml.safe_dump({
+            "server": {"drain_s": 0.2, "shutdown_timeout_s": 1},
+            "health": {"timeout_s": 20},
+            "endpoints": [{"url": u, "models": ["m"]} for u in urls],
+        })  # fmt: skip
+
+    path = tmp_path / "gw.yaml"
+    path.write_text(config([sim.url]))
+    gw = await start_gateway([], ["--config", str(path)], log_dir=tmp_path)
+    try:
+        path.write_text(config([sim.url, silent_url]))
+        gw.process.send_signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)  # the reload is probing the silent replica
+        began = asyncio.get_running_loop().time()
+        gw.process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(gw.process.wait(), 15) == 0, gw.log_tail(3000)
+        assert asyncio.get_running_loop().time() - began < 5.0, gw.log_tail(3000)
+    finally:
+        await gw.stop()
+        silent.close()
