@@ -4,7 +4,7 @@ clears a dead worker's shared cells, and starts it again.
 Why restart: a worker killed (the OOM killer, ``kill -9``) or crashed would otherwise leave the
 gateway on fewer cores for good. A replacement starts in the same slot (at once, then slower
 while it keeps dying: :class:`Backoff`) with the config its siblings run — each worker writes
-what it runs, after its start and after every reload it applies, to the shared directory
+what it runs to the shared directory when the gateway starts and after every reload it applies
 (:func:`publish_config`), so a replacement runs neither the start config nor a file its
 siblings refused — and applies the newest admin state (``AdminShare.catch_up``).
 
