@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from gateway.config import EndpointConfig
 from gateway.fleet.membership import ADMIN_SOURCE
 from gateway.http.state import GatewayState
+from gateway.ops.shared_files import newest, write_whole
 from gateway.ops.sibling_socket import SiblingSocket
 
 __all__ = ["AdminShare"]
@@ -51,10 +51,7 @@ class AdminShare:
             "endpoints": [c.model_dump(mode="json") for c in state.membership.endpoints_of(ADMIN_SOURCE)],
             "draining": sorted(e.url for e in state.registry if e.draining),
         }
-        path = self._directory / self._file
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(message))
-        os.replace(partial, path)  # a sibling reads the old state or the new one, never half
+        write_whole(self._directory / self._file, json.dumps(message).encode())
         failed = self._socket.send(json.dumps({"state": self._file}).encode())
         if failed:  # a sibling gone (the parent logs it) or full: it keeps its previous state
             log.warning("admin change not sent to %d sibling worker(s)", failed)
@@ -66,10 +63,9 @@ class AdminShare:
     def catch_up(self) -> None:
         """A worker started again after its process died applies the newest admin state any
         worker wrote (its own dead self's included): the changes it missed are in it whole."""
-        states = [path for path in self._directory.iterdir() if _STATE_FILE.fullmatch(path.name)]
-        if states:
-            newest = max(states, key=lambda path: path.stat().st_mtime_ns)
-            self._apply_file(newest.name, "written before this worker started")
+        state = newest(path for path in self._directory.iterdir() if _STATE_FILE.fullmatch(path.name))
+        if state is not None:
+            self._apply_file(state.name, "written before this worker started")
 
     def _receive(self, datagram: bytes) -> None:
         try:

@@ -170,7 +170,7 @@ async def _serve_one(
         reloader = ConfigReloader(state, reload.path, reload.overrides, reload.digest, on_applied=publish)
         loop.add_signal_handler(signal.SIGHUP, reloader.reload_soon)
         tasks.append(asyncio.create_task(reloader.watch(reload.watch_interval_s), name="config-watch"))
-        if publish is not None and worker is not None and worker.respawns == 0:
+        if publish is not None and worker.respawns == 0:
             # A replacement does not: it runs what the newest publication said when it was
             # started, and writing that again could make an older config look newest.
             publish()

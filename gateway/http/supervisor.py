@@ -33,6 +33,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.fleet.worker_table import WorkerTable
 from gateway.http.workers import STATUS_FILE, WorkerSlot
+from gateway.ops.shared_files import newest, write_whole
 
 __all__ = ["RESPAWN_DELAYS_S", "STABLE_S", "Backoff", "publish_config", "published_config", "supervise"]
 
@@ -98,30 +99,24 @@ class Backoff:
 def _write_status(directory: str, configured: int, listening: int, respawns: list[int]) -> None:
     """What the parent knows and no worker can tell of itself (a slot whose replacement keeps
     dying has no worker to export it): read by every worker at scrape time (``WorkersStatus``)."""
-    path = Path(directory) / STATUS_FILE
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"configured": configured, "listening": listening, "respawns": respawns}))
-    os.replace(partial, path)
+    status = {"configured": configured, "listening": listening, "respawns": respawns}
+    write_whole(Path(directory) / STATUS_FILE, json.dumps(status).encode())
 
 
 def publish_config(directory: str, index: int, config: GatewayConfig, digest: bytes | None) -> None:
     """What this worker runs, for a replacement of any worker (written whole, then renamed;
     pickled as ``spawn`` passes it; the directory is the gateway's own, 0700)."""
-    path = Path(directory) / _CONFIG_FILE.format(index)
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(pickle.dumps((config, digest)))
-    os.replace(partial, path)
+    write_whole(Path(directory) / _CONFIG_FILE.format(index), pickle.dumps((config, digest)))
 
 
 def published_config(directory: str) -> tuple[GatewayConfig, bytes | None] | None:
     """The config the workers run (the newest any worker wrote), with the digest of the file
     it came from; None when there is none or it cannot be read."""
-    paths = list(Path(directory).glob(_CONFIG_FILE.format("*")))
-    if not paths:
-        return None
     try:
-        newest = max(paths, key=lambda path: path.stat().st_mtime_ns)
-        config, digest = pickle.loads(newest.read_bytes())
+        path = newest(Path(directory).glob(_CONFIG_FILE.format("*")))
+        if path is None:
+            return None
+        config, digest = pickle.loads(path.read_bytes())
     except Exception as exc:  # a file gone or torn: the replacement starts with the start config
         log.error("the workers' config could not be read; a replacement gets the start config: %s", exc)
         return None
