@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -385,20 +386,32 @@ class RunningSimulator:
 
 
 _HANDLER_GRACE_S = 5.0
+_PORT_TRIES = 5
 
 
 async def start_runner(config: SimConfig) -> tuple[web.AppRunner, RunningSimulator]:
-    """Start a simulator on config.host (a free port if config.port == 0)."""
-    if config.port == 0:
-        config.port = free_port(config.host)
-    app = build_app(config)
-    # Handlers still running this long after the engine ended their requests (a client that
-    # stopped reading, a hung fault) are cancelled: shutdown stays bounded.
+    """Start a simulator on config.host (a free port if config.port == 0).
+
+    A free port is found, then bound: another process can take it in between (CI saw it), so a
+    port chosen here is chosen again, up to ``_PORT_TRIES`` times, when its bind fails."""
+    choose = config.port == 0
     grace = config.shutdown_timeout_s + _HANDLER_GRACE_S
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    await site.start()
+    for attempt in range(1, _PORT_TRIES + 1):
+        if choose:
+            config.port = free_port(config.host)
+        app = build_app(config)
+        # Handlers still running this long after the engine ended their requests (a client that
+        # stopped reading, a hung fault) are cancelled: shutdown stays bounded.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        try:
+            await site.start()
+            break
+        except OSError as exc:
+            await runner.cleanup()
+            if not choose or exc.errno != errno.EADDRINUSE or attempt == _PORT_TRIES:
+                raise
     app[STATE_KEY].port = config.port
     sim = RunningSimulator(
         url=f"http://{config.host}:{config.port}", engine=app[STATE_KEY].engine, config=config, app=app

@@ -539,3 +539,26 @@ async def test_cli_replicas_supervised_and_stopped_by_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_port_taken_between_choosing_and_binding_is_chosen_again(monkeypatch):
+    """The simulator picks a free port, then binds it; another process can take it in between
+    (a CI run failed so). Here a real socket holds the first port picked."""
+    import loadtest.simulator.server as sim_server
+    from loadtest.simulator.config import SimConfig
+    from loadtest.simulator.server import running_simulator
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    picks = iter([busy])
+    real = sim_server.free_port
+    monkeypatch.setattr(sim_server, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        async with running_simulator(SimConfig(port=0, model="m")) as sim:
+            assert sim.config.port != busy
+            async with aiohttp.ClientSession() as http, http.get(sim.url + "/health") as resp:
+                assert resp.status == 200
+    finally:
+        taken.close()
