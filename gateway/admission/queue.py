@@ -281,12 +281,12 @@ class AdmissionController:
         now = time.monotonic()
         for tenant in list(self._standard):
             queue = self._standard[tenant]
-            waiter = self._next_waiter(queue, now)
-            if waiter is None:
+            candidate = self._next_waiter(queue, now)
+            if candidate is None:
                 continue
-            if self._saturated(waiter.request.model):
+            if self._saturated(candidate.request.model):
                 continue  # another tenant's model may have room
-            waiter.future.set_result(None)
+            candidate.future.set_result(None)
             self._standard.move_to_end(tenant)  # round-robin across tenants
             return
 

@@ -27,7 +27,7 @@ class Tenant:
     """An authenticated caller. ``key_name`` only says which key matched (for logs); it is not compared."""
 
     name: str
-    priority: Priority = "standard"
+    priority: Priority = Priority.STANDARD
     models: frozenset[str] = frozenset()  # empty: every model
     requests_per_minute: int = 0  # 0: unlimited
     tokens_per_minute: int = 0  # 0: unlimited
@@ -56,7 +56,7 @@ class TenantSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    priority: Priority = "standard"
+    priority: Priority = Priority.STANDARD
     models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
     requests_per_minute: int = Field(0, ge=0, le=_MAX_LIMIT, description="0 = unlimited")
     tokens_per_minute: int = Field(0, ge=0, le=_MAX_LIMIT, description="0 = unlimited")

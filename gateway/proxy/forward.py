@@ -353,7 +353,7 @@ class Proxy:
         http_request[STREAM_STARTED] = True
         context = request.context
         first = True
-        pending_first = first_chunk
+        pending_first: bytes | None = first_chunk
         failure: str | None = None
         read_chunk = upstream.readany
         timeouts = attempt.settings.timeouts

@@ -117,7 +117,7 @@ def error_event(
     """
     prefix = b"\n\n" if mid_event else b""
     if api is ApiKind.MESSAGES:
-        payload = {"type": "error", "error": {"type": "api_error", "message": message}}
+        payload: dict[str, object] = {"type": "error", "error": {"type": "api_error", "message": message}}
         return prefix + b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
     if api is ApiKind.RESPONSES:
         payload = {"type": "error", "code": code, "message": message, "param": None}
@@ -139,6 +139,7 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
     (:class:`ConnectionLost`, retried like any other).
     """
     chunk = await upstream.readany()
+    opening: Callable[[bytes], bool]
     if request.api is ApiKind.CHAT:
         if b'"role"' not in chunk or not _only_role(chunk):
             return chunk

@@ -216,4 +216,5 @@ def _describe(value: Any) -> str:
     if isinstance(value, bool | int | float):
         text = json.dumps(value)
         return text if len(text) <= 24 else f"a {len(text)}-digit number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), "null")
+    names: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), "null")

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.errors import NoHealthyEndpoint
 from gateway.fleet.endpoint import Endpoint
@@ -57,7 +58,8 @@ class Scheduler:
         self.handler = handler
         self._metrics = metrics
         self._profile_names = tuple(profiles)
-        self._plugin_timer = {}  # (kind, name) → histogram child, resolved once
+        # (kind, name) → histogram child, resolved once
+        self._plugin_timer: dict[tuple[PluginKind, str], Any] = {}
         self._requests = 0
         self.preparers = [
             ws.scorer
