@@ -69,6 +69,12 @@ class ServerConfig(_Strict):
     worker_table_rows: int = Field(
         1024, ge=1, le=1 << 20, description="workers > 1: endpoints whose load the workers share"
     )
+    worker_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="workers > 1: a worker whose event loop has not run this long is killed and"
+        " started again (0: never)",
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     access_log: Literal["off", "json"] = Field("off", description="json: one JSON line per request")

@@ -16,6 +16,11 @@ rank is a row of its own):
   takes no lock and cannot lose an update; a reader sums the row's columns;
 - one breaker record (``BreakerCell``), written under the lock.
 
+After the rows, one heartbeat cell per worker: the ``time.monotonic()`` (one clock for every
+process on the host) at which its event loop last ran its beat (:meth:`WorkerTable.beat`). The
+parent reads it to find a worker that is alive but no longer serves (a blocked loop, a
+SIGSTOP), which no exit would ever report.
+
 Rows are claimed and released under a file lock (``flock``: a process that dies holding it
 releases it), only when an endpoint appears in or leaves a worker's fleet; a row is free
 again once no worker uses it, and is zeroed when it is claimed. The table is bounded
@@ -63,7 +68,7 @@ class BreakerCell:
 
 
 def _size(rows: int, workers: int) -> int:
-    return 8 * rows * (_KEY_CELLS + workers + workers * _LOAD + _BREAKER)
+    return 8 * (rows * (_KEY_CELLS + workers + workers * _LOAD + _BREAKER) + workers)
 
 
 def create_table(directory: str, rows: int, workers: int) -> TableSpec:
@@ -116,6 +121,7 @@ class WorkerTable:
         self._users_at = rows * _KEY_CELLS
         self._load_at = self._users_at + rows * workers
         self._breaker_at = self._load_at + rows * workers * _LOAD
+        self._beats_at = self._breaker_at + rows * _BREAKER
         self._row_format = struct.Struct(f"{workers * _LOAD}d")
 
     # ---- rows --------------------------------------------------------------------
@@ -161,6 +167,7 @@ class WorkerTable:
     def clear_worker(self, worker: int) -> None:
         """A worker died (called by the parent): its counts and its claims go, its probes are released."""
         with self._locked():
+            self._cells[self._beats_at + worker] = 0.0
             for row in range(self.spec.rows):
                 if self._key(row) == _ZERO_KEY:
                     continue
@@ -259,6 +266,15 @@ class WorkerTable:
         self._cells[at + 3] = 0.0 if owner is None else float(owner + 1)
         self._cells[at] = float(version)  # last: a reader that sees the version sees the record
         return version
+
+    # ---- liveness ------------------------------------------------------------------
+    def beat(self, now: float) -> None:
+        """This worker's event loop ran at ``now`` (``time.monotonic()``)."""
+        self._cells[self._beats_at + self._own()] = now
+
+    def last_beat(self, worker: int) -> float:
+        """When ``worker``'s loop last beat; 0.0 if it has not since it (or its slot) started."""
+        return self._cells[self._beats_at + worker]
 
     def close(self) -> None:
         self._cells.release()

@@ -12,10 +12,16 @@ Signals: the parent forwards SIGTERM, SIGINT and SIGHUP to each worker that is l
 writes one byte on a pipe once it does). A worker still starting serves nothing: a stop ends it
 at once (it may hang, and a stop must not wait for it), and its exit is not a failure; a reload
 reaches it once it listens (sent at once, SIGHUP would kill it half-started).
+
+Hangs: a worker whose event loop stops running (a blocking call, a deadlock, SIGSTOP) does not
+exit, and the kernel still hands it its share of new connections (SO_REUSEPORT). Each worker's
+loop beats in the shared table; one silent for ``server.worker_timeout_s`` is SIGKILLed, and
+then replaced like any dead worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,7 +30,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -57,6 +63,8 @@ class _Worker:
     started: Connection  # the worker writes one byte here once its listener is up
     born: float
     listening: bool = False
+    listened_at: float = 0.0  # when the parent read its byte: the hang clock starts there at the latest
+    killed: bool = False  # SIGKILLed as hung: its exit is on its way
     silent: bool = False  # its pipe closed without the byte: it died before it listened
     pending: list[int] = field(default_factory=list)
 
@@ -82,6 +90,13 @@ class _Worker:
         elif signum not in self.pending:
             self.pending.append(signum)
 
+    def kill(self) -> None:
+        """SIGKILL, which also ends a stopped process; its exit is then reaped as any other's."""
+        if self.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGKILL)
+        self.killed = True
+
 
 @dataclass
 class Backoff:
@@ -96,10 +111,12 @@ class Backoff:
         return RESPAWN_DELAYS_S[min(level, len(RESPAWN_DELAYS_S) - 1)]
 
 
-def _write_status(directory: str, configured: int, listening: int, respawns: list[int]) -> None:
+def _write_status(
+    directory: str, configured: int, listening: int, respawns: list[int], hangs: list[int]
+) -> None:
     """What the parent knows and no worker can tell of itself (a slot whose replacement keeps
     dying has no worker to export it): read by every worker at scrape time (``WorkersStatus``)."""
-    status = {"configured": configured, "listening": listening, "respawns": respawns}
+    status = {"configured": configured, "listening": listening, "respawns": respawns, "hangs": hangs}
     write_whole(Path(directory) / STATUS_FILE, json.dumps(status).encode())
 
 
@@ -141,11 +158,14 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
     backoff = Backoff()
     directory = slots[0].directory
     respawns = [0] * len(slots)
+    hangs = [0] * len(slots)  # workers killed because their loop stopped beating
+    timeout_s = config.server.worker_timeout_s
+    check_s = min(1.0, timeout_s / 4)
 
     def status() -> None:
         listening = sum(w.listening for w in running.values())
         try:
-            _write_status(directory, len(slots), listening, respawns)
+            _write_status(directory, len(slots), listening, respawns, hangs)
         except OSError as exc:  # the directory is ours; a full /dev/shm: the metrics go stale
             log.error("worker status not written: %s", exc)
 
@@ -180,11 +200,14 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
             if due and not stopping:
                 next_due = min(when for when, _ in due.values())
                 timeout = min(_WAIT_SLICE_S, max(0.0, next_due - time.monotonic()))
+            if timeout_s > 0 and any(w.listening for w in running.values()):
+                timeout = check_s if timeout is None else min(timeout, check_s)
             starting = {w.started: w for w in running.values() if not (w.listening or w.silent)}
             for ready in wait([*running, *starting], timeout=timeout):
                 if ready in starting:
                     worker = starting[ready]
                     if worker.read_started():
+                        worker.listened_at = time.monotonic()
                         for signum in worker.pending:  # what came while it started
                             worker.signal(signum)
                         worker.pending.clear()
@@ -193,6 +216,10 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                 worker = running.pop(ready)
                 failed = _reap(worker, table, stopping, due, backoff) or failed
                 status()
+            if timeout_s > 0:
+                for worker in _hung(running.values(), table, timeout_s):
+                    hangs[worker.slot.index] += 1
+                    status()
             if stopping:
                 due.clear()
             now = time.monotonic()
@@ -220,6 +247,24 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
         log.error("every worker has exited without a stop signal")
         return 1
     return 1 if failed else 0
+
+
+def _hung(workers: Iterable[_Worker], table: WorkerTable, timeout_s: float) -> list[_Worker]:
+    """Kill each listening worker whose loop has not beaten for ``timeout_s``; its exit then
+    comes as any other's (cells cleared, started again)."""
+    now = time.monotonic()
+    killed = []
+    for worker in workers:
+        if not worker.listening or worker.killed:
+            continue
+        silent_s = now - max(table.last_beat(worker.slot.index), worker.listened_at)
+        if silent_s <= timeout_s:
+            continue
+        log.error("worker %d (pid %s): its event loop has not run for %.1f s (server.worker_timeout_s "
+                  "%g); killing it", worker.slot.index, worker.process.pid, silent_s, timeout_s)  # fmt: skip
+        worker.kill()
+        killed.append(worker)
+    return killed
 
 
 def _reap(

@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -50,6 +51,7 @@ __all__ = ["STATUS_FILE", "WORKER_HEADER", "WorkerSlot", "WorkersStatus", "attac
 WORKER_HEADER = "x-gateway-worker"
 STATUS_FILE = "workers.json"  # the parent's count of its workers (gateway.http.supervisor writes it)
 _IDLE_REFRESH_S = 0.05  # sums refreshed this often without traffic (/metrics, scrapes, queue wakes)
+_BEAT_S = 1.0  # a worker's heartbeat, at most this far apart (a quarter of worker_timeout_s if shorter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class WorkerSlot:
 
 def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -> None:
     table = WorkerTable(slot.table, slot.index)
+    timeout_s = state.config.server.worker_timeout_s
     state.metrics.registry.register(WorkersStatus(slot.directory))
     full = Counter(
         "llm_gateway_worker_table_full",
@@ -96,18 +99,19 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
         admin.listen()
         await metrics.start()
         restarts = state.metrics.task_restarts
-        task = asyncio.create_task(
-            supervise(
-                "worker-share-refresh",
-                lambda: _refresh_while_idle(shared),
-                on_crash=lambda n: restarts.labels(n).inc(),
-            ),
-            name="worker-share-refresh",
-        )
+
+        def background(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+            crashed = restarts.labels(name).inc
+            return asyncio.create_task(supervise(name, run, on_crash=lambda _name: crashed()), name=name)
+
+        tasks = [background("worker-share-refresh", lambda: _refresh_while_idle(shared))]
+        if timeout_s > 0:
+            tasks.append(background("worker-heartbeat", lambda: _beat(table, min(_BEAT_S, timeout_s / 4))))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         admin.close()
         await metrics.close()
         shared.close()
@@ -184,6 +188,7 @@ class WorkersStatus:
                 status = json.load(file)
             configured, listening = int(status["configured"]), int(status["listening"])
             respawns = [int(n) for n in status["respawns"]]
+            hangs = [int(n) for n in status["hangs"]]
         except (OSError, ValueError, KeyError, TypeError):  # not written yet, or the parent gone
             return
         yield GaugeMetricFamily(
@@ -200,6 +205,23 @@ class WorkersStatus:
         for index, count in enumerate(respawns):
             started_again.add_metric([str(index)], count)
         yield started_again
+        killed = CounterMetricFamily(
+            "llm_gateway_worker_hangs",
+            "Times a worker slot's process was killed because its event loop stopped running"
+            " (server.worker_timeout_s); each is then started again",
+            labels=["slot"],
+        )
+        for index, count in enumerate(hangs):
+            killed.add_metric([str(index)], count)
+        yield killed
+
+
+async def _beat(table: WorkerTable, interval_s: float) -> None:
+    """Tell the parent this worker's event loop runs (``server.worker_timeout_s``): a loop that
+    is blocked, or a process that is stopped, beats no more and is killed and replaced."""
+    while True:
+        table.beat(time.monotonic())
+        await asyncio.sleep(interval_s)
 
 
 async def _refresh_while_idle(shared: SharedLoad) -> None:

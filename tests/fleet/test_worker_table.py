@@ -95,3 +95,20 @@ def test_a_dead_workers_column_and_probe_are_cleared_by_the_parent(spec):
 def test_a_worker_outside_the_table_is_refused():
     with pytest.raises(ValueError):
         WorkerTable(TableSpec("/nonexistent", 1, 2), 2)
+
+
+def test_heartbeats_are_per_worker_outside_the_rows_and_cleared_with_the_worker(spec):
+    worker, sibling, parent = WorkerTable(spec, 0), WorkerTable(spec, 2), WorkerTable(spec, None)
+    row = worker.claim("replica:8000")
+    worker.load_cell(row).add(3, 300)
+    worker.beat(1234.5)
+    sibling.beat(99.0)
+    assert (parent.last_beat(0), parent.last_beat(1), parent.last_beat(2)) == (1234.5, 0.0, 99.0)
+    assert parent.row_load(row) == (3, 300, 0)  # the beat cells overlap no load cell
+    last = spec.rows - 1
+    worker.write_breaker(last, 5.0, 7, None)  # the cells just before the beats
+    assert parent.last_beat(0) == 1234.5 and parent.breaker(last).ejections_in_row == 7
+    parent.clear_worker(0)
+    assert (parent.last_beat(0), parent.last_beat(2)) == (0.0, 99.0)  # a replacement starts silent
+    with pytest.raises(RuntimeError):
+        parent.beat(1.0)  # the parent has no cell of its own
