@@ -93,9 +93,9 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
         if index is not None:
             index.start()
         if responses is not None:
-            responses.start()
+            responses.start(catch_up=slot.respawns > 0)
         if pins is not None:
-            pins.start()
+            pins.start(catch_up=slot.respawns > 0)
         admin.listen()
         await metrics.start()
         restarts = state.metrics.task_restarts

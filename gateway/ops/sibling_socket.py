@@ -90,7 +90,9 @@ class SiblingMessages:
         max_bytes: int,
         on_drop: Callable[[], None] | None = None,
     ) -> None:
-        self._kind = kind
+        self.kind = kind
+        self.directory = directory
+        self.worker = worker
         self._socket = SiblingSocket(directory, kind, worker, workers, max_bytes)
         self._on_drop = on_drop
 
@@ -102,7 +104,7 @@ class SiblingMessages:
                     raise TypeError("not an object")
                 receive(message)
             except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deep JSON
-                log.warning("%s broadcast: a malformed datagram was dropped", self._kind)
+                log.warning("%s broadcast: a malformed datagram was dropped", self.kind)
 
         self._socket.listen(decoded)
 

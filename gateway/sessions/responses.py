@@ -98,6 +98,23 @@ class MemoryResponseStore:
     def forget(self, response_id: str) -> None:
         self._entries.pop(response_id, None)
 
+    def ids_newest_first(self) -> list[str]:
+        """Every id, most recent first (a copy of references only: no entry is copied)."""
+        return list(reversed(self._entries))
+
+    def entry(self, response_id: str) -> tuple[ResponseRecord, float] | None:
+        """The record and its expiry (on ``time.monotonic()``), as stored, expired or not."""
+        return self._entries.get(response_id)
+
+    def restore(self, response_id: str, record: ResponseRecord, expires: float) -> bool:
+        """An older entry from elsewhere (a sibling worker's), kept unless this store has the id
+        or is full; it goes in as less recent than every entry here. Whether it was kept."""
+        if response_id in self._entries or len(self._entries) >= self._max or expires < time.monotonic():
+            return False
+        self._entries[response_id] = (record, expires)
+        self._entries.move_to_end(response_id, last=False)
+        return True
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -18,8 +18,10 @@ has the answer and can send its next turn. Each pin carries its ``time.monotonic
 clock for the host's processes): a sibling applies it only if newer than its own, so two
 workers pinning one session at once agree on the later pin (a worker whose newer pin was not
 sent sends it when a sibling's older one arrives). A full receive buffer drops it (counted):
-that worker keeps what it knew (its older pin, or the hashed fallback). With
-``sessions.backend: redis`` the store is shared already and this is not used.
+that worker keeps what it knew (its older pin, or the hashed fallback). A worker started in
+place of a dead one asks its siblings for every pin they hold
+(:class:`~gateway.ops.catch_up.CatchUp`). With ``sessions.backend: redis`` the store is
+shared already and this is not used.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from gateway.ops.catch_up import CatchUp
 from gateway.ops.sibling_socket import SiblingMessages
 from gateway.sessions.placement import SessionPlacement
 from gateway.sessions.store import MemorySessionStore
@@ -59,9 +62,14 @@ class BroadcastSessionStore:
         self._max_told = local.max_sessions
         self._retell_s = local.ttl_s / _RETELL_EVERY
         self._siblings = SiblingMessages(directory, "sessions", worker, workers, _MAX_DATAGRAM, on_drop)
+        # newest first: each is restored as older than the ones before it
+        self.catch_up = CatchUp(self._siblings, local.sessions_newest_first, self._encode, self._caught_up)
 
-    def start(self) -> None:
+    def start(self, catch_up: bool = False) -> None:
+        """Listen to the siblings; ``catch_up`` (a replacement worker): ask them for their pins."""
         self._siblings.listen(self._receive)
+        if catch_up:
+            self.catch_up.request()
 
     async def get(self, session_id: str) -> str | None:
         return await self.local.get(session_id)  # a learned pin, else the hashed fallback
@@ -92,17 +100,28 @@ class BroadcastSessionStore:
         return self.local.active()
 
     async def close(self) -> None:
+        await self.catch_up.close()
         self._siblings.close()
         await self.local.close()
 
+    def _encode(self, session_id: str) -> list[Any] | None:
+        pinned = self.local.entry(session_id)
+        return None if pinned is None else [session_id, *pinned]
+
+    def _caught_up(self, row: list[Any]) -> None:
+        """A pin from a sibling's file (this worker was started in place of a dead one). It goes in
+        as older than every pin made here (the file is read newest first), so pins stay in the
+        order they expire in; one this worker has a newer pin of is left out."""
+        session_id, endpoint, at = row
+        if self._live(session_id, endpoint, at) and self.local.restore(session_id, endpoint, at):
+            self._placement.place(session_id, endpoint)
+            self._remember(session_id, endpoint, at)
+
     def _receive(self, message: dict[str, Any]) -> None:
+        if self.catch_up.handle(message):
+            return
         session_id, endpoint, at = message["s"], message["e"], message["t"]
-        if not isinstance(session_id, str) or not isinstance(endpoint, str) or not isinstance(at, float):
-            raise TypeError("pin")
-        now = time.monotonic()
-        if not math.isfinite(at) or at > now + 1.0:  # NaN or the future: it would never expire
-            raise ValueError("pin time")
-        if at < now - self.local.ttl_s:
+        if not self._live(session_id, endpoint, at):
             return  # expired on its way (a stalled worker): nothing to apply or count
         # Two workers answering one session at once each pin, then read the other's pin: the
         # later pin wins in both (their clock is the host's), never a swap.
@@ -115,3 +134,12 @@ class BroadcastSessionStore:
         mine = self.local.entry(session_id)
         if mine is not None and mine[0] != endpoint and self._told.get(session_id) != mine:
             self._tell(session_id, *mine)
+
+    def _live(self, session_id: Any, endpoint: Any, at: Any) -> bool:
+        """Whether a sibling's pin is still live; a malformed one raises (logged, dropped)."""
+        if not isinstance(session_id, str) or not isinstance(endpoint, str) or not isinstance(at, float):
+            raise TypeError("pin")
+        now = time.monotonic()
+        if not math.isfinite(at) or at > now + 1.0:  # NaN or the future: it would never expire
+            raise ValueError("pin time")
+        return at >= now - self.local.ttl_s

@@ -106,6 +106,10 @@ class MemorySessionStore:
     def max_sessions(self) -> int:
         return self._max
 
+    def sessions_newest_first(self) -> list[str]:
+        """Every pinned session, most recently pinned first (references only, nothing copied)."""
+        return list(reversed(self._pins))
+
     def entry(self, session_id: str) -> tuple[str, float] | None:
         """The live pin of a session as (replica, the time it was pinned), if any."""
         entry = self._pins.get(session_id)
@@ -121,6 +125,16 @@ class MemorySessionStore:
         if entry is not None and (entry[2], entry[0]) >= (at, endpoint):
             return False
         self.pin(session_id, endpoint, at)
+        return True
+
+    def restore(self, session_id: str, endpoint: str, at: float) -> bool:
+        """An older pin from elsewhere (a sibling worker's), kept unless this store pinned the
+        session later or is full; it goes in as less recent than every pin here. Whether it was kept."""
+        entry = self._pins.get(session_id)
+        if (entry is not None and (entry[2], entry[0]) >= (at, endpoint)) or len(self._pins) >= self._max:
+            return False
+        self._pins[session_id] = (endpoint, at + self.ttl_s, at)
+        self._pins.move_to_end(session_id, last=False)
         return True
 
     def active(self) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
+import time
 
 from gateway.sessions.response_broadcast import BroadcastResponseStore
 from gateway.sessions.responses import MemoryResponseStore, ResponseRecord
@@ -35,3 +38,48 @@ async def test_puts_and_forgets_reach_the_sibling_and_garbage_is_dropped(tmp_pat
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_replacement_catches_up_in_order_with_expiries_and_without_what_was_deleted(tmp_path):
+    old = BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), 0, 2)
+    for i in range(5):
+        old.put(f"resp_{i}", ResponseRecord(f"replica-{i}:8000", f"chain-{i}", "tenant-a"))
+    expiries = {rid: old.local.entry(rid)[1] for rid in old.local.ids_newest_first()}
+    new = BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), 1, 2)
+    new.start(catch_up=True)  # the sibling does not listen here: its answer is made below
+    try:
+        new.put("resp_new", ResponseRecord("replica-9:8000", "chain-9", "tenant-a"))  # made since
+        new._receive({"id": "resp_3"})  # a sibling's delete, after its file was begun
+        await old.catch_up._answer(1)
+        assert await until(lambda: new.catch_up.applied == 5)  # every row read, resp_3 then left out
+        ids = new.local.ids_newest_first()
+        assert ids == ["resp_new", "resp_4", "resp_2", "resp_1", "resp_0"]
+        assert all(new.local.entry(rid)[1] == expiries[rid] for rid in ids[1:])  # not a new TTL
+        assert new.local.get_now("resp_3") is None  # not brought back
+        assert new.local.get_now("resp_2") == ResponseRecord("replica-2:8000", "chain-2", "tenant-a")
+        assert not list(tmp_path.glob("responses-catch-up-*"))  # the file is removed once read
+    finally:
+        await new.close()
+        await old.close()
+
+
+async def test_a_malformed_catch_up_file_costs_its_bad_rows_only(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "gateway.ops.catch_up")
+    new = BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), 1, 2)
+    new.start(catch_up=True)
+    try:
+        good = ["resp_ok", "replica-a:8000", "chain-1", None, time.monotonic() + 30]
+        rows = [
+            "not json at all",
+            json.dumps([good, ["short"], [1, "r", "c", None, 1.0], ["resp_x", "r", "c", None, 1e300]]),
+        ]
+        (tmp_path / "responses-catch-up-0-to-1").write_text("\n".join(rows))
+        new._receive({"caught_up": 0, "to": 1})
+        assert await until(lambda: new.catch_up.applied == 1)
+        assert new.local.get_now("resp_ok") is not None and new.local.get_now("resp_x") is None
+        logged = [r.getMessage() for r in caplog.records]
+        assert "responses: caught up from worker 0 (1 records, 3 malformed)" in logged, logged
+        new._receive({"caught_up": 0, "to": 1})  # a second notice: no file any more, logged, no crash
+        assert await until(lambda: any("catch-up: taking" in r.getMessage() for r in caplog.records))
+    finally:
+        await new.close()

@@ -183,3 +183,26 @@ async def test_a_newer_pin_not_yet_told_is_told_when_a_sibling_announces_an_olde
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_replacement_catches_up_on_its_siblings_pins_and_keeps_its_newer_ones(tmp_path):
+    sibling = BroadcastSessionStore(
+        MemorySessionStore(60, 100), SessionPlacement(60, 100), str(tmp_path), 0, 2
+    )
+    for i in range(4):
+        sibling.local.pin(f"session-{i}", f"replica-{i}:8000")
+    pinned_at = {s: sibling.local.entry(s)[1] for s in sibling.local.sessions_newest_first()}
+    placement = SessionPlacement(60, 100)
+    new = BroadcastSessionStore(MemorySessionStore(60, 100), placement, str(tmp_path), 1, 2)
+    sibling.start()
+    new.start(catch_up=True)  # asks the sibling, which answers with its file
+    try:
+        new.pin("session-2", "replica-9:8000")  # moved here since: newer than the sibling's
+        assert await until(lambda: new.catch_up.applied == 4)
+        assert new.local.sessions_newest_first() == ["session-2", "session-3", "session-1", "session-0"]
+        assert new.local.entry("session-0") == ("replica-0:8000", pinned_at["session-0"])  # its own time
+        assert new.local.entry("session-2")[0] == "replica-9:8000"
+        assert placement.live("replica-1:8000") == 1 and placement.live("replica-2:8000") == 0
+    finally:
+        await new.close()
+        await sibling.close()
