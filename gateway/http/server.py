@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import secrets
@@ -187,6 +188,7 @@ async def _serve_one(
         server.port,
         len(config.endpoints),
     )
+    _freeze_startup_objects()
     await stop.wait()
     state.shutting_down = True
     in_flight = sum(e.in_flight for e in state.registry.targets())
@@ -196,6 +198,16 @@ async def _serve_one(
         task.cancel()
     await _stop_site(runner, app[IN_FLIGHT], server.shutdown_timeout_s)
     log.info("stopped")
+
+
+def _freeze_startup_objects() -> None:
+    """Keep what start-up made (modules, the app, its config and plugins: most of the heap) out
+    of every later garbage collection. A full collection walks every tracked object; with them it
+    held the event loop ~50 ms, about once a second under load (each one, with 64 requests in
+    flight, is a 50 ms tail for all of them); frozen, ~1.3 ms. Collected first, so no garbage is
+    frozen. What start-up made and later drops is still freed by its reference count."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _stop_site(runner: web.AppRunner, in_flight: InFlight, timeout_s: float) -> None:
