@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from gateway.cli import main
-from gateway.config import ConfigError, load_config
+from pydantic import ValidationError
+
+from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.http.app import build_app
 from gateway.http.state import STATE
 
@@ -295,3 +297,10 @@ def test_cli_serve_subprocess_exits_2_naming_the_key(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "health.unhealthy_threshold:" in proc.stderr
+
+
+@pytest.mark.parametrize("value", [0.001, 0.5, -1])
+def test_a_worker_timeout_is_off_or_at_least_a_second(value):
+    with pytest.raises(ValidationError, match="worker_timeout_s"):
+        GatewayConfig.model_validate({"server": {"worker_timeout_s": value}})
+    assert GatewayConfig.model_validate({"server": {"worker_timeout_s": 0}}).server.worker_timeout_s == 0

@@ -95,6 +95,13 @@ class ServerConfig(_Strict):
         0, ge=0, description="open client connections per worker; 0 = 3/4 of the file-descriptor limit"
     )
 
+    @field_validator("worker_timeout_s")
+    @classmethod
+    def _worker_timeout_off_or_real(cls, value: float) -> float:
+        if 0 < value < 1:  # the beat comes every quarter of it: a busy loop, and kills on any GC pause
+            raise ValueError("must be 0 (off) or at least 1 second")
+        return value
+
 
 class TimeoutConfig(_Strict):
     connect_s: float = Field(2.0, gt=0)

@@ -161,6 +161,7 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
     hangs = [0] * len(slots)  # workers killed because their loop stopped beating
     timeout_s = config.server.worker_timeout_s
     check_s = min(1.0, timeout_s / 4)
+    last_round = time.monotonic()  # the parent's own last look at the heartbeats
 
     def status() -> None:
         listening = sum(w.listening for w in running.values())
@@ -217,6 +218,14 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
                 failed = _reap(worker, table, stopping, due, backoff) or failed
                 status()
             if timeout_s > 0:
+                now = time.monotonic()
+                if now - last_round > timeout_s / 2:
+                    # The parent itself did not run (the whole process group stopped: Ctrl-Z,
+                    # `docker pause`, a frozen cgroup): the workers' silence is its own. Their
+                    # clocks start over now rather than every worker being killed as hung.
+                    for worker in running.values():
+                        worker.listened_at = max(worker.listened_at, now)
+                last_round = now
                 for worker in _hung(running.values(), table, timeout_s):
                     hangs[worker.slot.index] += 1
                     status()

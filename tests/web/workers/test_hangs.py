@@ -18,13 +18,14 @@ from tests.support.workers import alive, by_worker, spawn_gateway, worker_pids
 from tests.web.workers.test_respawn import CHAT, _new_worker, _worker_metrics
 
 
-async def _gateway(tmp_path, url: str, timeout_s: float):
+async def _gateway(tmp_path, url: str, timeout_s: float, new_session: bool = False):
     config = tmp_path / "gw.yaml"
     config.write_text(
         f"server:\n  drain_s: 0.2\n  shutdown_timeout_s: 1\n  worker_timeout_s: {timeout_s}\n"
         f"scrape:\n  enabled: false\nendpoints:\n  - url: {url}\n    models: [m]\n"
     )
-    return await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path)
+    args = ["--workers", "2", "--config", str(config)]
+    return await spawn_gateway([], args, tmp_path, new_session=new_session)
 
 
 async def _hangs(url: str) -> dict[str, float]:
@@ -117,3 +118,26 @@ async def test_no_worker_is_killed_when_the_timeout_is_zero(start_sim, tmp_path)
         async with by_worker(gw.url) as found:
             assert set(found) == {str(p) for p in old}
         assert await gw.stop() == 0, gw.log_tail(3000)
+
+
+async def test_a_pause_of_the_whole_gateway_kills_no_worker(start_sim, tmp_path):
+    """Ctrl-Z, `docker pause`, a frozen cgroup: the parent stops with its workers, and on resume
+    their silence is not theirs (it killed every worker as hung)."""
+    sim = await start_sim(model="m")
+    gw = await _gateway(tmp_path, sim.url, timeout_s=1, new_session=True)  # its own process group
+    try:
+        async with by_worker(gw.url):
+            old = worker_pids(gw.pid)
+        os.killpg(gw.pid, signal.SIGSTOP)
+        await asyncio.sleep(3)
+        os.killpg(gw.pid, signal.SIGCONT)
+        await asyncio.sleep(2)  # two timeouts after the resume
+        assert worker_pids(gw.pid) == old, gw.log_tail(3000)
+        assert await _hangs(gw.url) == {"0": 0.0, "1": 0.0}
+        async with by_worker(gw.url) as found:
+            assert set(found) == {str(p) for p in old}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gw.pid, signal.SIGCONT)
+        code = await gw.stop()
+    assert code == 0, gw.log_tail(3000)
