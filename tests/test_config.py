@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from gateway.cli import main
 from pydantic import ValidationError
 
+from gateway.cli import main
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.http.app import build_app
 from gateway.http.state import STATE
