@@ -39,6 +39,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.fleet.worker_table import WorkerTable
 from gateway.http.workers import STATUS_FILE, WorkerSlot
+from gateway.ops.catch_up import remove_files_of
 from gateway.ops.shared_files import newest, write_whole
 
 __all__ = ["RESPAWN_DELAYS_S", "STABLE_S", "Backoff", "publish_config", "published_config", "supervise"]
@@ -287,6 +288,7 @@ def _reap(
     process, slot = worker.process, worker.slot
     process.join()
     table.clear_worker(slot.index)
+    remove_files_of(slot.directory, slot.index)
     listened = worker.read_started()
     worker.started.close()
     code = process.exitcode

@@ -26,7 +26,10 @@ _MAX_READS = 256  # datagrams per readable event: other work gets the loop betwe
 class SiblingSocket:
     def __init__(self, directory: str, kind: str, worker: int, workers: int, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._peers = [os.path.join(directory, f"{kind}-{w}.sock") for w in range(workers) if w != worker]
+        self._peer_of = {  # sibling index -> its socket's path
+            w: os.path.join(directory, f"{kind}-{w}.sock") for w in range(workers) if w != worker
+        }
+        self._peers = list(self._peer_of.values())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         path = os.path.join(directory, f"{kind}-{worker}.sock")
         if os.path.exists(path):
@@ -41,10 +44,14 @@ class SiblingSocket:
     def siblings(self) -> int:
         return len(self._peers)
 
-    def send(self, datagram: bytes) -> int:
-        """To every sibling; returns how many did not get it (full buffer, gone)."""
+    @property
+    def sibling_indexes(self) -> list[int]:
+        return list(self._peer_of)
+
+    def send(self, datagram: bytes, only: int | None = None) -> int:
+        """To every sibling (or ``only`` that one); returns how many did not get it (full buffer, gone)."""
         failed = 0
-        for peer in self._peers:
+        for peer in self._peers if only is None else [self._peer_of[only]]:
             try:
                 self._sock.sendto(datagram, peer)
             except OSError:
@@ -108,10 +115,18 @@ class SiblingMessages:
 
         self._socket.listen(decoded)
 
-    def send(self, message: dict[str, Any]) -> None:
+    @property
+    def sibling_indexes(self) -> list[int]:
+        return self._socket.sibling_indexes
+
+    def send(self, message: dict[str, Any], only: int | None = None) -> None:
+        """To every sibling, or ``only`` that one."""
         datagram = json.dumps(message, separators=(",", ":")).encode()
         too_large = len(datagram) > self._socket.max_bytes  # then no sibling gets it
-        failed = self._socket.siblings if too_large else self._socket.send(datagram)
+        if too_large:
+            failed = self._socket.siblings if only is None else 1
+        else:
+            failed = self._socket.send(datagram, only)
         if failed and self._on_drop is not None:
             for _ in range(failed):
                 self._on_drop()

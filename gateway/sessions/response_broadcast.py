@@ -44,7 +44,9 @@ class BroadcastResponseStore:
         self.local = local
         self._siblings = SiblingMessages(directory, "responses", worker, workers, _MAX_DATAGRAM, on_drop)
         # newest first: each is restored as older than the ones before it
-        self.catch_up = CatchUp(self._siblings, local.ids_newest_first, self._encode, self._restore)
+        self.catch_up = CatchUp(
+            self._siblings, local.ids_newest_first, self._encode, self._restore, on_done=self._caught_up
+        )
         # while catching up: the ids deleted since (a sibling's file may still hold them)
         self._forgotten: OrderedDict[str, None] | None = None
 
@@ -85,6 +87,9 @@ class BroadcastResponseStore:
             return None
         record, expires = entry
         return [response_id, record.endpoint, record.chain, record.tenant, expires]
+
+    def _caught_up(self) -> None:
+        self._forgotten = None  # a sibling's file is applied: no older copy of a record comes any more
 
     def _restore(self, row: list[Any]) -> None:
         response_id, endpoint, chain, tenant, expires = row

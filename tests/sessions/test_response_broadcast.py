@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import socket
 import time
 
+import pytest
+
+from gateway.ops import catch_up
+from gateway.ops.catch_up import remove_files_of
 from gateway.sessions.response_broadcast import BroadcastResponseStore
 from gateway.sessions.responses import MemoryResponseStore, ResponseRecord
 from tests.support.waiting import until
@@ -50,7 +55,7 @@ async def test_a_replacement_catches_up_in_order_with_expiries_and_without_what_
     try:
         new.put("resp_new", ResponseRecord("replica-9:8000", "chain-9", "tenant-a"))  # made since
         new._receive({"id": "resp_3"})  # a sibling's delete, after its file was begun
-        await old.catch_up._answer(1)
+        await old.catch_up._answer(1, str(os.getpid()))  # as asked by the worker with this pid
         assert await until(lambda: new.catch_up.applied == 5)  # every row read, resp_3 then left out
         ids = new.local.ids_newest_first()
         assert ids == ["resp_new", "resp_4", "resp_2", "resp_1", "resp_0"]
@@ -67,19 +72,55 @@ async def test_a_malformed_catch_up_file_costs_its_bad_rows_only(tmp_path, caplo
     caplog.set_level(logging.INFO, "gateway.ops.catch_up")
     new = BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), 1, 2)
     new.start(catch_up=True)
+    pid = str(os.getpid())
     try:
         good = ["resp_ok", "replica-a:8000", "chain-1", None, time.monotonic() + 30]
+        later = ["resp_later", "replica-a:8000", "chain-2", None, time.monotonic() + 30]
         rows = [
             "not json at all",
             json.dumps([good, ["short"], [1, "r", "c", None, 1.0], ["resp_x", "r", "c", None, 1e300]]),
+            "[" * 100_000,  # past msgspec's depth: a RecursionError, which used to end the whole file
+            json.dumps([later]),
         ]
-        (tmp_path / "responses-catch-up-0-to-1").write_text("\n".join(rows))
-        new._receive({"caught_up": 0, "to": 1})
-        assert await until(lambda: new.catch_up.applied == 1)
-        assert new.local.get_now("resp_ok") is not None and new.local.get_now("resp_x") is None
+        (tmp_path / f"responses-catch-up-0-to-1-{pid}").write_text("\n".join(rows))
+        stale = tmp_path / "responses-catch-up-0-to-1-1"  # for an earlier worker of this slot
+        stale.write_text(json.dumps([["resp_stale", "r", "c", None, time.monotonic() + 30]]))
+        new._receive({"caught_up": 0, "to": 1, "n": "1"})  # not this worker's request: left alone
+        new._receive({"caught_up": 0, "to": 1, "n": pid})
+        assert await until(lambda: new.catch_up.applied == 2)
+        assert new.local.get_now("resp_ok") is not None and new.local.get_now("resp_later") is not None
+        assert new.local.get_now("resp_x") is None and new.local.get_now("resp_stale") is None
         logged = [r.getMessage() for r in caplog.records]
-        assert "responses: caught up from worker 0 (1 records, 3 malformed)" in logged, logged
-        new._receive({"caught_up": 0, "to": 1})  # a second notice: no file any more, logged, no crash
+        assert "responses: caught up from worker 0 (2 records, 3 malformed)" in logged, logged
+        new._receive({"caught_up": 0, "to": 1, "n": pid})  # a second notice: no file any more, no crash
         assert await until(lambda: any("catch-up: taking" in r.getMessage() for r in caplog.records))
+        assert stale.exists()
+        remove_files_of(str(tmp_path), 1)  # the parent, once the worker it was for is dead
+        assert not stale.exists()
     finally:
         await new.close()
+
+
+@pytest.mark.parametrize("first_answers", [True, False])
+async def test_one_sibling_is_asked_and_the_others_only_when_it_does_not_answer(
+    tmp_path, monkeypatch, first_answers
+):
+    monkeypatch.setattr(catch_up, "ASK_ALL_AFTER_S", 0.2)
+    first, new, other = (
+        BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), w, 3) for w in range(3)
+    )
+    for sibling in (first, other):
+        for i in range(3):
+            sibling.local.put(f"resp_{i}", ResponseRecord("replica-a:8000", f"chain-{i}", None))
+    if first_answers:
+        first.start()  # else it never reads its socket (hung)
+    other.start()
+    new.start(catch_up=True)  # asks worker 0 only
+    try:
+        assert await until(lambda: new.catch_up.applied == 3)  # worker 0, or worker 2 after 0.2 s
+        await asyncio.sleep(0.4)
+        assert new.catch_up.applied == 3  # one file, not one per sibling
+        assert len(new.local) == 3
+    finally:
+        for store in (first, new, other):
+            await store.close()
