@@ -10,11 +10,12 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from tests.support.workers import alive, by_worker, spawn_gateway, worker_pids
+from tests.support.workers import alive, by_worker, shared_directory, spawn_gateway, worker_pids
 from tests.web.workers.test_respawn import CHAT, _new_worker, _worker_metrics
 
 
@@ -78,6 +79,10 @@ async def test_a_stopped_worker_is_killed_and_started_again_and_healthy_ones_are
         assert worker_pids(gw.pid) == old, gw.log_tail(3000)
         assert await _hangs(gw.url) == {"0": 0.0, "1": 0.0}
         victim = min(old)
+        directory = Path(shared_directory(victim))
+        left = [directory / f"responses-catch-up-9-to-{slot}-1" for slot in (0, 1)]  # answers nobody reads
+        for path in left:
+            path.write_bytes(b"[]")
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
         fresh = await _new_worker(gw, old)
@@ -92,6 +97,8 @@ async def test_a_stopped_worker_is_killed_and_started_again_and_healthy_ones_are
                     assert resp.status == 200, await resp.text()
         hangs = await _hangs(gw.url)
         assert sorted(hangs.values()) == [0.0, 1.0], hangs
+        dead_slot = int(next(slot for slot, n in hangs.items() if n == 1))
+        assert [path.exists() for path in left] == [dead_slot != 0, dead_slot != 1]  # the dead one's went
         counts = await _worker_metrics(gw.url)
         assert counts["listening"] == 2 and sorted([counts["slot 0"], counts["slot 1"]]) == [0.0, 1.0]
         assert "its event loop has not run for" in gw.log_tail(5000)
