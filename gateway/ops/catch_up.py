@@ -101,7 +101,11 @@ class CatchUp:
         """Whether ``message`` belongs to the exchange (then it is dealt with here)."""
         if "catch_up" in message:
             requester, nonce = message["catch_up"], message.get("n")
-            if type(requester) is not int or requester == self._worker or not _nonce_ok(nonce):
+            if (
+                type(requester) is not int
+                or requester not in self._siblings.sibling_indexes
+                or not _nonce_ok(nonce)
+            ):
                 raise TypeError("catch_up")
             self._spawn(self._answer(requester, nonce), f"answering worker {requester}")
             return True
@@ -124,6 +128,7 @@ class CatchUp:
         partial = path.with_name(path.name + ".partial")
         encoder = msgspec.json.Encoder()
         try:
+            partial.unlink(missing_ok=True)  # what an answer to the same request left (appended to)
             for start in range(0, len(keys), CHUNK):
                 rows = [row for key in keys[start : start + CHUNK] if (row := self._encode(key)) is not None]
                 await asyncio.to_thread(_append, partial, encoder.encode(rows) + b"\n")

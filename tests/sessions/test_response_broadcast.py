@@ -124,3 +124,20 @@ async def test_one_sibling_is_asked_and_the_others_only_when_it_does_not_answer(
     finally:
         for store in (first, new, other):
             await store.close()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"catch_up": True, "n": "1"}, {"catch_up": 7, "n": "1"}, {"catch_up": 1, "n": "../x"}, {"catch_up": 1}],
+)
+async def test_a_catch_up_request_from_no_sibling_is_dropped(tmp_path, caplog, message):
+    store = BroadcastResponseStore(MemoryResponseStore(60, 100), str(tmp_path), 0, 2)
+    store.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            raw.sendto(json.dumps(message).encode(), os.path.join(str(tmp_path), "responses-0.sock"))
+        assert await until(lambda: any("malformed datagram" in r.getMessage() for r in caplog.records))
+        await asyncio.sleep(0.05)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["responses-0.sock"]  # no file written
+    finally:
+        await store.close()
