@@ -216,6 +216,7 @@ async def run_policy(policy: str, args: argparse.Namespace, fleet: list[str] | N
         "policy": policy,
         "requests": len(ttfts),
         "hit_ratio": round(hits / queries, 3) if queries else 0.0,
+        "queried_tokens": queries,  # the fleet's prefix-cache queries in this run (deltas)
         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
         "ttft_p95_ms": round(ttfts[int(len(ttfts) * 0.95) - 1] * 1000, 1),
         "wall_s": round(wall, 1),

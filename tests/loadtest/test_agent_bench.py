@@ -56,7 +56,9 @@ async def test_a_running_fleet_is_reset_and_counted_as_deltas() -> None:
         for runner in runners:
             await runner.cleanup()
     assert first["requests"] == again["requests"] == 12
-    # Without the reset the second run would find turn 1 cached too; counted as deltas, the
-    # same workload on a cold fleet gives the same ratio.
+    # Without the reset the second run would find turn 1 cached too. Counted as deltas, the same
+    # workload queries the same tokens (summed, the second run's would be twice the first's);
+    # the hit ratio itself depends on how the concurrent sessions' first turns interleave.
     assert again["per_turn_hit"][0] == 0.0
-    assert abs(again["hit_ratio"] - first["hit_ratio"]) < 0.05
+    assert again["queried_tokens"] == first["queried_tokens"] > 0
+    assert 0.3 < again["hit_ratio"] < 0.9 and 0.3 < first["hit_ratio"] < 0.9
