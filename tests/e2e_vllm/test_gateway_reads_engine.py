@@ -93,11 +93,20 @@ async def test_gateway_counts_the_cached_tokens_vllm_reports(fleet: Fleet, start
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
     usages, served = [], []
     before = metric_value(await gateway_metrics(http, gw), "llm_gateway_observed_cached_tokens_total") or 0.0
-    for _ in range(2):
+    for turn in range(2):
         async with http.post(gw.url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
             usages.append((await resp.json())["usage"])
             served.append(resp.headers["x-gateway-endpoint"])
+        if turn == 0:  # the replica's KV events for the prompt arrive after its answer (a CI
+            # run on a loaded host sent the second elsewhere before they did): wait for them
+
+            async def stored() -> bool:
+                text = await gateway_metrics(http, gw)
+                applied = metric_value(text, "llm_gateway_kv_events_applied_total", endpoint=served[0])
+                return (applied or 0) > 0
+
+            await wait_until(stored, 10.0, "the serving replica's KV events to reach the gateway")
     assert served[0] == served[1]  # prefix-aware: the second goes where the prefix is
     prompt_tokens = usages[0]["prompt_tokens"]
     cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
