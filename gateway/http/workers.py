@@ -101,8 +101,8 @@ def attach_worker(app: web.Application, state: GatewayState, slot: WorkerSlot) -
         restarts = state.metrics.task_restarts
 
         def background(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
-            crashed = restarts.labels(name).inc
-            return asyncio.create_task(supervise(name, run, on_crash=lambda _name: crashed()), name=name)
+            supervised = supervise(name, run, on_crash=lambda n: restarts.labels(n).inc())
+            return asyncio.create_task(supervised, name=name)
 
         tasks = [background("worker-share-refresh", lambda: _refresh_while_idle(shared))]
         if timeout_s > 0:

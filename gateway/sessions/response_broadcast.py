@@ -7,8 +7,8 @@ cannot be told, :mod:`gateway.http.responses`), so every worker must know each r
 and its tenant. Each ``put`` and ``forget`` is also sent to the siblings as one small unix
 datagram (:class:`~gateway.ops.sibling_socket.SiblingMessages`) and applied there to their
 own store. A full receive buffer drops it (counted): that worker then answers the id as
-unknown, as after a restart. A worker started in place of a dead one asks its siblings for
-every record they hold (:class:`~gateway.ops.catch_up.CatchUp`). With ``sessions.backend:
+unknown, as after a restart. A worker started in place of a dead one asks a sibling for
+every record it holds (:class:`~gateway.ops.catch_up.CatchUp`). With ``sessions.backend:
 redis`` the store is shared already and this is not used.
 """
 

@@ -19,7 +19,7 @@ clock for the host's processes): a sibling applies it only if newer than its own
 workers pinning one session at once agree on the later pin (a worker whose newer pin was not
 sent sends it when a sibling's older one arrives). A full receive buffer drops it (counted):
 that worker keeps what it knew (its older pin, or the hashed fallback). A worker started in
-place of a dead one asks its siblings for every pin they hold
+place of a dead one asks a sibling for every pin it holds
 (:class:`~gateway.ops.catch_up.CatchUp`). With ``sessions.backend: redis`` the store is
 shared already and this is not used.
 """
