@@ -29,7 +29,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from gateway.prefix.chat_template import Unsupported, conversation, render
-from gateway.prefix.prefix_tokens import Plan, PrefixTokens
+from gateway.prefix.prefix_tokens import Plan, PrefixTokens, first_message_end
 from gateway.prefix.template_format import content_format
 
 __all__ = ["LocalTokenizer", "Prepared", "find_tokenizer_dir", "hf_cache_dirs", "is_tokenizer_dir"]
@@ -206,18 +206,19 @@ class LocalTokenizer:
                 raise Unsupported("prompt")
             if any(k in body and body[k] is not None for k in ("cache_salt", "truncate_prompt_tokens")):
                 raise Unsupported("engine_only_field")
-            return Prepared(prompt, add_special, None)
+            return Prepared(prompt, add_special, None, None)
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise Unsupported("add_special_tokens")
         text = self.chat_text(body)
-        plan = self.prefix.plan(text) if not add_special and self.prefix.enabled else None
-        return Prepared(text, add_special, plan)
+        if add_special or not self.prefix.enabled:
+            return Prepared(text, add_special, None, None)
+        return Prepared(text, add_special, self.prefix.plan(text), first_message_end(text, body["messages"]))
 
     def finish(self, prepared: Prepared) -> list[int]:
         """The encoding itself (a next turn re-encodes only its new part)."""
         if prepared.plan is not None:
-            return self.prefix.encode(prepared.text, prepared.plan)
+            return self.prefix.encode(prepared.text, prepared.plan, prepared.first_end)
         return self.encode(prepared.text, prepared.add_special)
 
     def chat_tokens(self, body: dict[str, Any]) -> list[int]:
@@ -232,6 +233,7 @@ class Prepared:
     text: str
     add_special: bool
     plan: Plan | None
+    first_end: int | None  # where the first message ends in ``text``: its cut is kept too
 
     @property
     def remaining(self) -> int:

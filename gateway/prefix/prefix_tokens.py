@@ -19,7 +19,10 @@ kinds of cut, each a place where the tokens after it cannot depend on the text b
   An added token that strips whitespace could take the newline: then there are no such cuts.
 
 Only without special tokens (chat prompts): a post-processor adds nothing then. Keys are the
-exact prefix text's hash; a miss is a full encode.
+exact prefix text's hash; a miss is a full encode. Two cuts of a text are kept: its last one
+(for the conversation's next turn) and, when the caller names where the first message ends,
+the first cut after it (for every other conversation that starts with the same system prompt:
+agents and chat apps send one long system prompt with every session).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import xxhash
 from tokenizers import Encoding, Tokenizer
 
-__all__ = ["Plan", "PrefixTokens", "newline_cuts_hold"]
+__all__ = ["Plan", "PrefixTokens", "first_message_end", "newline_cuts_hold"]
 
 _MIN_REUSE_CHARS = 512  # a shorter reusable prefix saves less than the lookup costs
 # a text's last newline cuts looked up (8k short lines must not cost 8k hashes on the loop); a
@@ -45,6 +48,9 @@ _MAX_NEWLINE_CANDIDATES = 2048
 # a token starts: a scan of its tokens)
 _MAX_NEWLINE_TRIES = 8
 _NEWLINE_CUT = re.compile("\n(?=[!-~])")  # a cut at the match's end: before the printable character
+# after the first message's end: how far (tokens, newline cuts) its cut is looked for
+_FIRST_CUT_TOKENS = 64
+_FIRST_CUT_TRIES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,8 @@ class PrefixTokens:
         for end, digest in zip(reversed(ends), reversed(digests), strict=True):
             with self._lock:
                 entry = self._cache.get(digest)
+                if entry is not None:  # a system prompt's cut, read by every session, stays
+                    self._cache.move_to_end(digest)
             if entry is None:
                 continue
             hit, newline = entry
@@ -135,8 +143,11 @@ class PrefixTokens:
             return Plan(hit, end, cut)
         return Plan(None, 0, "")
 
-    def encode(self, text: str, plan: Plan | None = None) -> list[int]:
-        """``text``'s ids without special tokens, equal to a full encode."""
+    def encode(self, text: str, plan: Plan | None = None, first_end: int | None = None) -> list[int]:
+        """``text``'s ids without special tokens, equal to a full encode.
+
+        ``first_end``: where the first message's text ends in ``text`` (:func:`first_message_end`),
+        so that the first cut after it is kept too."""
         if not self.enabled:
             return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         plan = plan if plan is not None else self.plan(text)
@@ -148,11 +159,11 @@ class PrefixTokens:
                 self.hits += 1
                 ids = hit.tolist() + tail.ids[shared:]
                 start, head = end - len(cut), len(hit) - shared
-                self._remember(text, ids, _TailOffsets(tail, start, head))
+                self._remember(text, ids, _TailOffsets(tail, start, head), first_end)
                 return ids
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
-        self._remember(text, ids, _TailOffsets(encoding, 0, 0))
+        self._remember(text, ids, _TailOffsets(encoding, 0, 0), first_end)
         return ids
 
     def _straddled(self, text: str, end: int) -> bool:
@@ -162,8 +173,11 @@ class PrefixTokens:
                 return True
         return False
 
-    def _remember(self, text: str, ids: list[int], offsets: _TailOffsets) -> None:
-        """Keep ``ids`` up to the last cut of ``text`` (its tokens there are final)."""
+    def _remember(
+        self, text: str, ids: list[int], offsets: _TailOffsets, first_end: int | None = None
+    ) -> None:
+        """Keep ``ids`` up to the last cut of ``text`` (its tokens there are final), and up to
+        the first cut after ``first_end``."""
         added = self._last_added_cut(ids, offsets)
         newline = self._last_newline_cut(text, offsets) if self._newlines else None
         if newline is not None and (added is None or newline[0] > added[0]):
@@ -172,8 +186,19 @@ class PrefixTokens:
             (end, count), is_newline = added, False
         else:
             return
+        self._keep(text, end, ids[:count], is_newline)
+        if first_end is None or first_end >= end:
+            return
+        added = self._first_added_cut(ids, offsets, first_end, end)
+        newline = self._first_newline_cut(text, offsets, first_end, end) if self._newlines else None
+        if newline is not None and (added is None or newline[0] < added[0]):
+            self._keep(text, newline[0], ids[: newline[1]], True)
+        elif added is not None:
+            self._keep(text, added[0], ids[: added[1]], False)
+
+    def _keep(self, text: str, end: int, ids: list[int], is_newline: bool) -> None:
         key = xxhash.xxh3_128_digest(text[:end].encode("utf-8", "surrogatepass"))
-        kept = array("I", ids[:count])
+        kept = array("I", ids)
         with self._lock:
             self._cache[key] = (kept, is_newline)
             self._cache.move_to_end(key)
@@ -188,6 +213,43 @@ class PrefixTokens:
                 continue
             end = offsets.end_of(i)
             return None if end is None or end < _MIN_REUSE_CHARS else (end, i + 1)
+        return None
+
+    def _first_added_cut(
+        self, ids: list[int], offsets: _TailOffsets, after: int, before: int
+    ) -> tuple[int, int] | None:
+        """(end char, tokens up to and with it) of the first added-token cut ending after char
+        ``after`` and before ``before``, within a few tokens of ``after``; or None."""
+        start = offsets.token_at(after)
+        if start is None:
+            return None
+        cut_ids = self._cut_ids
+        for i in range(start, min(len(ids), start + _FIRST_CUT_TOKENS)):
+            if ids[i] not in cut_ids:
+                continue
+            end = offsets.end_of(i)
+            if end is None or end >= before:
+                return None
+            return (end, i + 1) if end >= _MIN_REUSE_CHARS else None
+        return None
+
+    @staticmethod
+    def _first_newline_cut(
+        text: str, offsets: _TailOffsets, after: int, before: int
+    ) -> tuple[int, int] | None:
+        """(cut char, tokens before it) of the first newline cut after char ``after`` (and
+        before ``before``) where a token starts, or None."""
+        tries = _FIRST_CUT_TRIES
+        for match in _NEWLINE_CUT.finditer(text, after, before):
+            cut = match.end()
+            if cut < _MIN_REUSE_CHARS:
+                continue
+            count = offsets.tokens_before(cut)
+            if count is not None:
+                return cut, count
+            tries -= 1
+            if not tries:
+                return None
         return None
 
     @staticmethod
@@ -220,6 +282,14 @@ class _TailOffsets:
             return None
         return self.start + self.encoding.token_to_chars(index - self.head)[1]
 
+    def token_at(self, char: int) -> int | None:
+        """The index in ``ids`` of the token covering ``char`` (None: in the cached part, or none)."""
+        at = char - self.start
+        if at < 0:
+            return None
+        token = self.encoding.char_to_token(at)
+        return None if token is None else self.head + token
+
     def tokens_before(self, char: int) -> int | None:
         """How many tokens cover exactly ``text[:char]`` (None: no token boundary there).
 
@@ -249,3 +319,15 @@ def _prefix_digests(text: str, ends: list[int]) -> list[bytes]:
         out.append(hasher.digest())
         start = end
     return out
+
+
+def first_message_end(text: str, messages: list[Any]) -> int | None:
+    """Where the first of several messages' text ends in the rendered ``text`` (None: not found,
+    too short to be worth a cut, or one message only)."""
+    if len(messages) < 2 or not isinstance(messages[0], dict):
+        return None
+    content = messages[0].get("content")
+    if not isinstance(content, str) or len(content) < _MIN_REUSE_CHARS:
+        return None
+    at = text.find(content)
+    return None if at < 0 else at + len(content)

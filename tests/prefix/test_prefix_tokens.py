@@ -176,3 +176,39 @@ def test_no_newline_cuts_where_the_argument_does_not_hold(plain_dir: Path) -> No
         for tail in ("a", "b c", "\n<|user|>d"):
             assert prefix.encode(body + tail) == full(tokenizer, body + tail)
         assert prefix.hits == 0
+
+
+@pytest.mark.parametrize("kind", ["markers", "plain"])
+def test_a_new_conversation_reuses_a_system_prompt_another_one_sent(
+    kind: str, marker_dir: Path, plain_dir: Path
+) -> None:
+    """Agents and chat apps start every session with the same long system prompt: the first
+    turn of a new conversation encodes only what follows it (the cut after the first message is
+    kept beside the last one), and still equals a full encode."""
+    tok = LocalTokenizer(marker_dir if kind == "markers" else plain_dir)
+    rng = random.Random(21)
+    system = {"role": "system", "content": text(rng, 400)}
+    for first in ("what is in it?", "summarise the second part"):  # two sessions' first turns
+        body = {"messages": [system, {"role": "user", "content": first}]}
+        prepared = tok.prepare("chat", body)
+        assert tok.finish(prepared) == full(tok.tokenizer, tok.chat_text(body))
+    assert prepared.remaining < 100  # the second session: its question and the markers around it
+    assert tok.prefix.hits == 1
+
+
+def test_sessions_sharing_system_prompts_equal_a_full_encode(marker_dir: Path, plain_dir: Path) -> None:
+    """Random conversations over three system prompts, turns interleaved across them."""
+    for directory in (marker_dir, plain_dir):
+        tok = LocalTokenizer(directory)
+        rng = random.Random(23)
+        systems = [text(rng, rng.randint(150, 400)) for _ in range(3)]
+        open_: list[list[dict[str, str]]] = []
+        for step in range(120):
+            if len(open_) < 4 or rng.random() < 0.2:
+                open_.append([{"role": "system", "content": rng.choice(systems)}])
+            messages = rng.choice(open_)
+            messages.append({"role": "user", "content": text(rng, rng.randint(1, 40))})
+            body = {"messages": messages}
+            assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (directory, step)
+            messages.append({"role": "assistant", "content": text(rng, rng.randint(0, 30))})
+        assert tok.prefix.hits > 100
