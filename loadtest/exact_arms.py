@@ -38,7 +38,7 @@ import argparse
 import json
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,7 @@ class Front:
     urls: list[str]
     stop: Callable[[], Awaitable[None]]
     predicts: bool = True
+    pids: list[int] = field(default_factory=list)  # the gateway processes (their CPU is read)
 
     @property
     def url(self) -> str:
@@ -235,4 +236,4 @@ async def start_front(name: str, urls: list[str], args: argparse.Namespace, work
         for gateway in gateways:
             await gateway.stop()
 
-    return Front([g.url for g in gateways], stop)
+    return Front([g.url for g in gateways], stop, pids=[g.pid for g in gateways])

@@ -42,7 +42,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,15 @@ VLLM_MAX_WORDS = 1500
 DEFAULT_ARMS = (
     "exact,approximate,round-robin,dynamo-cost,dynamo-cost-engine,llm-d-weights,sglang-router,ideal"
 )
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; 0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def metric_value(text: str, sample: str) -> float | None:
@@ -180,6 +189,36 @@ async def one(
     return Result(ttft or 0.0, predicted, cached, completion), "".join(text)
 
 
+async def open_loop(
+    send: Callable[[int], Awaitable[None]], requests: int, rate: float, max_in_flight: int, seed: int = 11
+) -> None:
+    """Send ``requests`` at Poisson arrivals of ``rate`` a second (seeded), whatever is in flight.
+
+    TTFT then includes the time a request waits behind others: near the fleet's capacity, an arm
+    that leaves the engines less prefill to do queues less (llm-d's capacity test raises the
+    arrival rate; a closed loop of a few clients slows down instead of queueing). At most
+    ``max_in_flight`` at once keeps an overloaded arm bounded: arrivals past it wait, and a run
+    that hits the cap says so.
+    """
+    rng = random.Random(seed)
+    slots = asyncio.Semaphore(max_in_flight)
+    tasks: set[asyncio.Task[None]] = set()
+    capped = 0
+    next_at = time.monotonic()
+    for turn in range(requests):
+        next_at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        if slots.locked():
+            capped += 1
+        await slots.acquire()
+        task = asyncio.create_task(send(turn))
+        task.add_done_callback(lambda _t: slots.release())
+        tasks.add(task)
+    await asyncio.gather(*tasks)
+    if capped:
+        print(f"open loop: {capped} of {requests} arrivals waited for the in-flight cap ({max_in_flight})")
+
+
 async def run_arm(
     name: str, args: argparse.Namespace, workdir: Path, fleet: list[str] | None = None
 ) -> dict[str, Any]:
@@ -215,26 +254,39 @@ async def run_arm(
         turns = iter(range(args.requests))
         lock = asyncio.Lock()
         busy: set[int] = set()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        limit = aiohttp.TCPConnector(limit=0)  # open loop: nothing queues in the client
+        async with aiohttp.ClientSession(
+            connector=limit, timeout=aiohttp.ClientTimeout(total=120)
+        ) as session:
+
+            async def send(turn: int) -> None:
+                async with lock:  # one request per conversation at a time
+                    cid, messages = work.next(turn, busy)
+                    busy.add(cid)
+                    conversation = work.conversations[cid]
+                    sent.append(request := Sent(cid, messages))
+                try:  # a load balancer in front of several gateways: any turn, any gateway
+                    url = front.urls[turn % len(front.urls)]
+                    result, text = await one(session, url, messages, model)
+                finally:
+                    busy.discard(cid)
+                conversation.append({"role": "assistant", "content": text})
+                request.completion_tokens = result.completion
+                result.turn = turn
+                results.append(result)
 
             async def worker() -> None:
                 for turn in turns:
-                    async with lock:  # one request per conversation at a time
-                        cid, messages = work.next(turn, busy)
-                        busy.add(cid)
-                        conversation = work.conversations[cid]
-                        sent.append(request := Sent(cid, messages))
-                    try:  # a load balancer in front of several gateways: any turn, any gateway
-                        url = front.urls[turn % len(front.urls)]
-                        result, text = await one(session, url, messages, model)
-                    finally:
-                        busy.discard(cid)
-                    conversation.append({"role": "assistant", "content": text})
-                    request.completion_tokens = result.completion
-                    result.turn = turn
-                    results.append(result)
+                    await send(turn)
 
-            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            cpu_before = sum(process_cpu_s(pid) for pid in front.pids)
+            started = time.monotonic()
+            if args.rate:
+                await open_loop(send, args.requests, args.rate, args.max_in_flight)
+            else:
+                await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            elapsed = time.monotonic() - started
+            gateway_cpu_s = sum(process_cpu_s(pid) for pid in front.pids) - cpu_before
             gateway_metrics: list[str] = []
             if front.predicts:
                 for url in front.urls:
@@ -251,7 +303,10 @@ async def run_arm(
             await front.stop()
         await stop_all(replicas)
     row = _row(name, results, before, after, gateway_metrics, front.predicts, args.warmup)
+    # the gateway processes' CPU while the arm's requests ran, per request
+    row["gateway_cpu_ms"] = 1000 * gateway_cpu_s / len(results) if front.pids and results else math.nan
     row["gateways"] = len(front.urls)
+    row["req_per_s"] = len(results) / elapsed if elapsed else 0.0
     ceiling_hits, ceiling_queries = ceiling(sent, 32 if args.engine == "vllm" else 16)
     row["ceiling"] = ceiling_hits / ceiling_queries if ceiling_queries else 0.0
     return row
@@ -438,16 +493,17 @@ def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
     """The markdown table; TTFT also as a ratio to ``baseline``'s, hits beside the arm's ceiling."""
     base = next((r for r in rows if r["arm"] == baseline), rows[0])
     print(
-        f"| arm | requests | engine hit ratio | ceiling (offline) | hit ÷ ceiling | TTFT p50 ms "
+        f"| arm | requests | req/s | engine hit ratio | ceiling (offline) | hit ÷ ceiling | TTFT p50 ms "
         f"| p50 ÷ {base['arm']} | TTFT p99 ms | p99 ÷ {base['arm']} | mean abs(pred − actual) tokens "
         "| exact predictions | busiest replica's share | /tokenize calls | mean /tokenize wait ms "
         "| local tokenizations | mean local ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         exact = _cell(100 * r["exact_predictions"], ".1f")
         print(
-            f"| {r['arm']} | {r['requests']} | {r['hit_ratio']:.3f}{_spread(r['hit_range'])} "
+            f"| {r['arm']} | {r['requests']} | {r.get('req_per_s', 0.0):.2f} "
+            f"| {r['hit_ratio']:.3f}{_spread(r['hit_range'])} "
             f"| {r['ceiling']:.3f} "
             f"| {r['hit_ratio'] / r['ceiling'] if r['ceiling'] else 0:.2f} "
             f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f} "
@@ -466,7 +522,8 @@ def print_table(rows: list[dict[str, Any]], baseline: str) -> None:
                 f"{r['arm']}: mean TTFT {r['ttft_mean_ms']:.1f} ms = the engines' own "
                 f"{r['engine_ttft_mean_ms']:.1f} + {added:.1f} outside them (gateway, client, network); "
                 f"the gateway's first byte {r['gateway_ttfb_ms']:.1f} ms after arrival, "
-                f"its scheduler {r['schedule_ms']:.2f} ms"
+                f"its scheduler {r['schedule_ms']:.2f} ms, "
+                f"its CPU {r.get('gateway_cpu_ms', math.nan):.2f} ms a request"
             )
     tail = steady_tail(rows, baseline)
     if tail:
@@ -497,7 +554,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=256, help="per replica, 16 tokens each")
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--requests", type=int, default=600)
-    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument(
+        "--concurrency", type=int, default=6, help="closed loop: clients, each one request at a time"
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="open loop instead: Poisson arrivals, requests a second (TTFT includes queueing)",
+    )
+    parser.add_argument("--max-in-flight", type=int, default=64, help="open loop: at most this many at once")
     parser.add_argument("--docs", type=int, default=16)
     parser.add_argument("--doc-tokens", type=int, default=700)
     parser.add_argument("--active", type=int, default=24, help="conversations open at once")
