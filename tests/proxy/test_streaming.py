@@ -195,6 +195,33 @@ async def test_openai_client_sees_mid_stream_failure_as_api_error(
     assert received == ["Hello"]
 
 
+async def test_a_paced_stream_outlives_its_idle_timeout_and_a_stall_after_it_is_cut(
+    start_upstream, start_gateway, http
+):
+    """Events every 50 ms for 1 s (3× ``idle_s``): the idle limit moves with them (lazily: the
+    timer is rearmed about once per ``idle_s / 100``), and the stall after them is cut no
+    sooner than ``idle_s`` after the last event."""
+    up = await start_upstream()
+    up.mode = "paced-then-gated"
+    gw = await start_gateway([up.url], timeouts={"idle_s": 0.3})
+    body, last_event_at, error_at = b"", 0.0, 0.0
+    async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+        async with asyncio.timeout(5.0):
+            async for piece in resp.content.iter_any():
+                now = asyncio.get_running_loop().time()
+                if b'"error"' in piece:
+                    error_at = error_at or now
+                elif b'"choices"' in piece:
+                    last_event_at = now
+                body += piece
+    events = sse_events(body)
+    paced = [e for e in events[1:] if isinstance(e, dict) and "choices" in e]
+    assert len(paced) >= 12, len(paced)  # ~20 sent; a limit that did not move would cut at 0.3 s
+    assert "idle" in _assert_error_then_done(events)["message"]
+    assert error_at - last_event_at >= 0.29, error_at - last_event_at
+    await wait_idle(http, gw)
+
+
 async def test_stalled_stream_hits_idle_timeout(start_upstream, start_gateway, http):
     up = await start_upstream()
     up.mode = "gated"  # never released: the upstream stalls after chunk 1

@@ -93,6 +93,8 @@ class Upstream:
         self.body = b'{"error": {"message": "upstream says no", "type": "BadRequestError"}}'
         self.content_type = "application/json"
         self.gate = asyncio.Event()
+        self.paced_s = 1.0  # "paced-then-gated": events every pace_s for paced_s, then the gate
+        self.pace_s = 0.05
         self.first_chunk_sent = asyncio.Event()
         self.rest_sent = asyncio.Event()
         self.cancelled = asyncio.Event()
@@ -246,6 +248,12 @@ class Upstream:
         elif self.mode == "die":
             self._abort(request)
             return resp
+        elif self.mode == "paced-then-gated":
+            until = asyncio.get_running_loop().time() + self.paced_s
+            while asyncio.get_running_loop().time() < until:
+                await asyncio.sleep(self.pace_s)
+                await send(1)
+            await self.gate.wait()
         elif self.mode == "cut-mid-event":
             await resp.write(b'data: {"id": "cmpl-1", "object": "chat.completion.chunk", "choices": [{"par')
             await asyncio.sleep(0.05)  # let the gateway forward the half event before the cut
