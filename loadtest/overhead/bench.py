@@ -62,7 +62,7 @@ class Bench:
     async def measure(
         self, target: str, kind: str, url: str, router_pid: int | None, config: dict[str, Any]
     ) -> None:
-        problems = await check_target(url)
+        problems = await check_target(url, getattr(self.args, "upstream_chunks", 8))
         if problems:
             print(f"  ! {target}: {'; '.join(problems)}", flush=True)
         upstream_pids = process_tree(self.upstream.pid)

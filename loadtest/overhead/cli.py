@@ -237,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", type=_csv(str), default=DEFAULT_VARIANTS, help="chat,chat_stream[,chat_session]"
     )
     p.add_argument("--upstream-workers", type=int, default=2, help="zero upstream processes (SO_REUSEPORT)")
+    p.add_argument(
+        "--chunks", dest="upstream_chunks", type=int, default=8, help="events per streamed answer (default 8)"
+    )
+    p.add_argument(
+        "--chunk-interval-ms",
+        dest="upstream_interval_ms",
+        type=float,
+        default=0.0,
+        help="pace the events, as an engine decoding does (default 0: all at once)",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy the first gateway (w1) in an extra run")
     p.add_argument("--py-spy", default=None, help="py-spy binary (default: next to python, then PATH)")
     p.add_argument("--wrk", default=None, help="wrk binary (default: wrk on PATH)")
