@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 # Counter and Histogram without a lock per update; the exposition is prometheus_client's own.
@@ -102,7 +102,12 @@ class _EndpointStateCollector:
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        if registry is None:
+            registry = CollectorRegistry()
+            # the standard process metrics (CPU seconds, RSS, open descriptors; Linux /proc), named
+            # llm_gateway_process_* so that a query never mixes in the engines' own process_*
+            ProcessCollector(namespace="llm_gateway", registry=registry)
+        self.registry = registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._endpoint_state: _EndpointStateCollector | None = None
         self._pool_waiting: Callable[[Endpoint], int] | None = None
