@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import pytest
@@ -87,3 +88,24 @@ def test_open_loop_arm_reports_its_rate(capsys: pytest.CaptureFixture[str]) -> N
     assert row["requests"] == 16 and 0.1 < row["hit_ratio"] <= row["ceiling"]
     # 16 Poisson arrivals at 8 a second (seeded: ~1.7 s); the closed loop here does ~200 a second
     assert 4.0 < row["req_per_s"] < 16.0
+
+
+def test_the_rounds_interval_covers_what_moves_whole_rounds() -> None:
+    """Two arms with the same TTFT distribution, each round scaled by its own factor (the
+    host's state when that arm ran): the request-level interval calls the ratio significant,
+    the paired rounds interval does not."""
+    rng = random.Random(5)
+
+    def arm(name: str) -> dict[str, object]:
+        rounds = []
+        for _ in range(6):
+            factor = rng.uniform(0.5, 2.0)
+            rounds.append([factor * rng.expovariate(10.0) for _ in range(300)])
+        return {"arm": name, "steady_ttfts": [t for r in rounds for t in r], "round_ttfts": rounds}
+
+    rows = [arm("a"), arm("b")]
+    b = next(t for t in exact_bench.steady_tail(rows, "a") if t["arm"] == "b")
+    low, high = b["p99_ratio_ci"]
+    assert not low <= 1.0 <= high, (low, high)  # the rounds' factors taken for the arms' own
+    paired_low, paired_high = b["p99_ratio_rounds_ci"]
+    assert paired_low <= 1.0 <= paired_high and paired_high - paired_low > high - low
