@@ -249,11 +249,14 @@ class Proxy:
         and then by 1 % of ``idle_s`` more, so a stream of events rearms its timer about once
         every ``idle_s / 100`` instead of at every event (a timer rearmed per event was 7 % of a
         paced stream's profile). A stall is still cut at ``idle_s`` after the last event, at
-        most 1 % late; never past the attempt's deadline."""
+        most 1 % late; never past the attempt's deadline. A limit further ahead than that (the
+        first-byte limit, when the first chunk held half an event) is pulled in."""
         wanted = self._wait_limit(attempt, idle_s)
         when = limit.when()
-        if when is None or when < wanted:
-            limit.reschedule(min(wanted + idle_s / 100, attempt.deadline))
+        slack_s = idle_s / 100
+        # also pulled in from further ahead: the first-byte limit, after half a first event
+        if when is None or when < wanted or when > wanted + slack_s:
+            limit.reschedule(min(wanted + slack_s, attempt.deadline))
 
     def _wait_limit(self, attempt: _Attempt, budget_s: float) -> float:
         """Absolute loop time to stop waiting: ``budget_s`` from now, never past the deadline."""

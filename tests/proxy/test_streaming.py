@@ -222,6 +222,22 @@ async def test_a_paced_stream_outlives_its_idle_timeout_and_a_stall_after_it_is_
     await wait_idle(http, gw)
 
 
+async def test_a_stall_after_half_a_first_event_is_cut_at_idle_not_first_byte(
+    start_upstream, start_gateway, http
+):
+    """The first chunk holds no whole event: the limit goes from ``first_byte_s`` (4 s here) to
+    ``idle_s`` all the same (found by review: the lazy rearm only ever pushed a limit out)."""
+    up = await start_upstream()
+    up.mode = "half-event-then-hold"
+    gw = await start_gateway([up.url], timeouts={"idle_s": 0.3, "first_byte_s": 4.0})
+    started = asyncio.get_running_loop().time()
+    async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+        await asyncio.wait_for(resp.read(), 10.0)
+    assert asyncio.get_running_loop().time() - started < 2.0
+    await asyncio.wait_for(up.cancelled.wait(), 1.0)
+    await wait_idle(http, gw)
+
+
 async def test_stalled_stream_hits_idle_timeout(start_upstream, start_gateway, http):
     up = await start_upstream()
     up.mode = "gated"  # never released: the upstream stalls after chunk 1

@@ -239,6 +239,10 @@ class Upstream:
                 self._abort(request)
                 return resp
             await self.gate.wait()
+        if self.mode == "half-event-then-hold":  # the first bytes are half an event, then nothing
+            await resp.write(b'data: {"id": "cmpl-1", "object": "chat.completion.chunk", "choices": [{"del')
+            self.first_chunk_sent.set()
+            await asyncio.Event().wait()
         await send(0)
         self.first_chunk_sent.set()
         if self.mode == "gated":
