@@ -103,6 +103,11 @@ class PrefixTokens:
         words = sorted(set(cuts.values()), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, words))) if words and entries else None
         self._newlines = bool(entries) and newline_cuts_hold(tokenizer)
+        # an added token starting at a newline cut ends the text's piece there, and then GPT-2's
+        # pattern takes "\n\n" or " \n" before it whole, which text after the cut splits: such a
+        # place is no newline cut, in the kept text or in the new one (found by review)
+        contents = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
+        self._added_start = re.compile("|".join(map(re.escape, contents))) if contents else None
         self._cache: OrderedDict[bytes, tuple[array[int], bool]] = OrderedDict()  # ids, newline cut
         self._lock = threading.Lock()  # the tokenizer pool's threads share the cache
         self.hits = 0
@@ -134,7 +139,11 @@ class PrefixTokens:
                 continue
             hit, newline = entry
             if newline:
-                if _newline_cut_at(text, end) and not self._straddled(text, end):
+                if (
+                    _newline_cut_at(text, end)
+                    and not self._straddled(text, end)
+                    and not self._added_at(text, end)
+                ):
                     return Plan(hit, end, "")
                 continue
             cut = self._cut_ids.get(hit[-1])
@@ -165,6 +174,10 @@ class PrefixTokens:
         ids = encoding.ids
         self._remember(text, ids, _TailOffsets(encoding, 0, 0), first_end)
         return ids
+
+    def _added_at(self, text: str, at: int) -> bool:
+        """Whether an added token starts at char ``at`` of ``text``."""
+        return self._added_start is not None and self._added_start.match(text, at) is not None
 
     def _straddled(self, text: str, end: int) -> bool:
         """Whether an added token occurs across ``end`` (starting before it, ending after)."""
@@ -233,16 +246,15 @@ class PrefixTokens:
             return (end, i + 1) if end >= _MIN_REUSE_CHARS else None
         return None
 
-    @staticmethod
     def _first_newline_cut(
-        text: str, offsets: _TailOffsets, after: int, before: int
+        self, text: str, offsets: _TailOffsets, after: int, before: int
     ) -> tuple[int, int] | None:
         """(cut char, tokens before it) of the first newline cut after char ``after`` (and
         before ``before``) where a token starts, or None."""
         tries = _FIRST_CUT_TRIES
         for match in _NEWLINE_CUT.finditer(text, after, before):
             cut = match.end()
-            if cut < _MIN_REUSE_CHARS:
+            if cut < _MIN_REUSE_CHARS or self._added_at(text, cut):
                 continue
             count = offsets.tokens_before(cut)
             if count is not None:
@@ -252,15 +264,14 @@ class PrefixTokens:
                 return None
         return None
 
-    @staticmethod
-    def _last_newline_cut(text: str, offsets: _TailOffsets) -> tuple[int, int] | None:
+    def _last_newline_cut(self, text: str, offsets: _TailOffsets) -> tuple[int, int] | None:
         """(cut char, tokens before it) of the last newline cut where a token starts, or None."""
         end, tries = len(text) - 1, _MAX_NEWLINE_TRIES
         while tries and (end := text.rfind("\n", 0, end)) >= 0:
             cut = end + 1
             if cut < _MIN_REUSE_CHARS:
                 return None
-            if _newline_cut_at(text, cut):
+            if _newline_cut_at(text, cut) and not self._added_at(text, cut):
                 tries -= 1
                 count = offsets.tokens_before(cut)
                 if count is not None:

@@ -13,7 +13,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
 from gateway.prefix.local_tokenizer import LocalTokenizer
 from gateway.prefix.prefix_tokens import PrefixTokens, newline_cuts_hold
-from loadtest.realvllm.model import _WORDS, build_tokenizer
+from loadtest.realvllm.model import _WORDS, CHAT_TEMPLATE, build_tokenizer
 
 PIECES = [*_WORDS, "<|user|>", "<|assistant", "|>", "<", "<s>", "</s>", " ", "\n", "é", "🙂", "  ", "12"]
 
@@ -212,3 +212,23 @@ def test_sessions_sharing_system_prompts_equal_a_full_encode(marker_dir: Path, p
             assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (directory, step)
             messages.append({"role": "assistant", "content": text(rng, rng.randint(0, 30))})
         assert tok.prefix.hits > 100
+
+
+def test_no_newline_cut_where_an_added_token_starts(tmp_path: Path) -> None:
+    """A system prompt ending in a newline, then a role marker that is an added token in one
+    session (``<|user|>``) and plain text in the other (``<|tool|>``). Where the added token
+    starts, the text's piece ends, so the BPE's split pattern keeps "\\n\\n" whole; plain text
+    after it splits "\\n", "\\n": the cut kept from the first session must not serve the second
+    (found by review, on a vocabulary that merges whitespace as real ones do)."""
+    tokenizer = _whitespace_bpe(random.Random(3))
+    specials = ("<s>", "</s>", "<|user|>")
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = LocalTokenizer(tmp_path)
+    for ending in ("\n", " \n", "\n\n"):
+        system = {"role": "system", "content": "stone " * 100 + ending}
+        for second in ({"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}):
+            body = {"messages": [system, second]}
+            assert tok.chat_tokens(body) == full(tok.tokenizer, tok.chat_text(body)), (ending, second)
