@@ -197,24 +197,38 @@ async def open_loop(
     TTFT then includes the time a request waits behind others: near the fleet's capacity, an arm
     that leaves the engines less prefill to do queues less (llm-d's capacity test raises the
     arrival rate; a closed loop of a few clients slows down instead of queueing). At most
-    ``max_in_flight`` at once keeps an overloaded arm bounded: arrivals past it wait, and a run
-    that hits the cap says so.
+    ``max_in_flight`` at once keeps an overloaded arm bounded: arrivals past it wait (TTFT starts
+    when a request is sent, so it leaves that wait out), and a run that hits the cap says so. A
+    failed request stops the sending, and no request outlives the call.
     """
     rng = random.Random(seed)
     slots = asyncio.Semaphore(max_in_flight)
     tasks: set[asyncio.Task[None]] = set()
-    capped = 0
+    capped, failed = 0, False
+
+    def finished(task: asyncio.Task[None]) -> None:
+        nonlocal failed
+        slots.release()
+        failed = failed or (not task.cancelled() and task.exception() is not None)
+
     next_at = time.monotonic()
     for turn in range(requests):
         next_at += rng.expovariate(rate)
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        if failed:
+            break  # a failed request fails the arm: stop sending
         if slots.locked():
             capped += 1
         await slots.acquire()
         task = asyncio.create_task(send(turn))
-        task.add_done_callback(lambda _t: slots.release())
+        task.add_done_callback(finished)
         tasks.add(task)
-    await asyncio.gather(*tasks)
+    try:
+        await asyncio.gather(*tasks)
+    finally:  # none outlives the arm (its session closes next)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     if capped:
         print(f"open loop: {capped} of {requests} arrivals waited for the in-flight cap ({max_in_flight})")
 

@@ -109,3 +109,26 @@ def test_the_rounds_interval_covers_what_moves_whole_rounds() -> None:
     assert not low <= 1.0 <= high, (low, high)  # the rounds' factors taken for the arms' own
     paired_low, paired_high = b["p99_ratio_rounds_ci"]
     assert paired_low <= 1.0 <= paired_high and paired_high - paired_low > high - low
+
+
+def test_open_loop_stops_at_a_failed_request_and_leaves_none_running() -> None:
+    async def scenario() -> tuple[int, set[int]]:
+        started: set[int] = set()
+        running: set[int] = set()
+
+        async def send(turn: int) -> None:
+            started.add(turn)
+            running.add(turn)
+            try:
+                if turn == 3:
+                    raise RuntimeError("the arm's request failed")
+                await asyncio.sleep(0.5)
+            finally:
+                running.discard(turn)
+
+        with pytest.raises(RuntimeError):
+            await exact_bench.open_loop(send, requests=40, rate=100.0, max_in_flight=64)
+        return len(started), running
+
+    sent, running = asyncio.run(scenario())
+    assert sent < 10 and not running  # ~0.4 s of arrivals were left unsent; nothing outlived it
