@@ -32,6 +32,7 @@ from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
+from gateway.proxy.limits import extend_idle, wait_limit
 from gateway.proxy.pd import PDCoordinator, PDLeg
 from gateway.proxy.resilience import CircuitBreakers, RetryBudget, backoff_s
 from gateway.proxy.sse import (
@@ -244,24 +245,6 @@ class Proxy:
                     upstream.close()
             hooks.on_done(request, endpoint, Outcome(ok, verdict))
 
-    def _extend(self, limit: asyncio.Timeout, attempt: _Attempt, idle_s: float) -> None:
-        """Push a stream's idle limit past ``idle_s`` from now, lazily: only once it falls short,
-        and then by 1 % of ``idle_s`` more, so a stream of events rearms its timer about once
-        every ``idle_s / 100`` instead of at every event (a timer rearmed per event was 7 % of a
-        paced stream's profile). A stall is still cut at ``idle_s`` after the last event, at
-        most 1 % late; never past the attempt's deadline. A limit further ahead than that (the
-        first-byte limit, when the first chunk held half an event) is pulled in."""
-        wanted = self._wait_limit(attempt, idle_s)
-        when = limit.when()
-        slack_s = idle_s / 100
-        # also pulled in from further ahead: the first-byte limit, after half a first event
-        if when is None or when < wanted or when > wanted + slack_s:
-            limit.reschedule(min(wanted + slack_s, attempt.deadline))
-
-    def _wait_limit(self, attempt: _Attempt, budget_s: float) -> float:
-        """Absolute loop time to stop waiting: ``budget_s`` from now, never past the deadline."""
-        return min(asyncio.get_running_loop().time() + budget_s, attempt.deadline)
-
     async def _open(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
     ) -> UpstreamResponse:
@@ -275,7 +258,7 @@ class Proxy:
         wait = None
         first_byte_s = attempt.settings.timeouts.first_byte_s
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, first_byte_s)) as limit:
+            async with asyncio.timeout_at(wait_limit(attempt.deadline, first_byte_s)) as limit:
                 with self._breakers.first_byte_wait(endpoint, limit, queued=True) as wait:
                     return await self._client.post(
                         endpoint.url, request.upstream_path, body, headers, on_slot=wait.restart
@@ -301,7 +284,7 @@ class Proxy:
         self._metrics.upstream_errors.labels(endpoint.name, reason).inc()
         body = b""
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, _ERROR_BODY_WAIT_S)):
+            async with asyncio.timeout_at(wait_limit(attempt.deadline, _ERROR_BODY_WAIT_S)):
                 while len(body) <= _ERROR_BODY_MAX and (chunk := await upstream.readany()):
                     body += chunk
         except (TimeoutError, ConnectionLost):
@@ -320,7 +303,9 @@ class Proxy:
         attempt: _Attempt,
     ) -> web.Response:
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)):
+            async with asyncio.timeout_at(
+                wait_limit(attempt.deadline, attempt.settings.timeouts.first_byte_s)
+            ):
                 body = await upstream.read()
         except TimeoutError:
             raise UpstreamTimeout("upstream response body timed out") from None
@@ -375,7 +360,7 @@ class Proxy:
         previous = last = b""  # the usage object sits in the last chunks of the stream
         events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
         try:
-            async with asyncio.timeout_at(self._wait_limit(attempt, timeouts.first_byte_s)) as limit:
+            async with asyncio.timeout_at(wait_limit(attempt.deadline, timeouts.first_byte_s)) as limit:
                 while True:
                     if pending_first is not None:
                         chunk, pending_first = pending_first, None
@@ -393,7 +378,7 @@ class Proxy:
                         break
                     chunk = events.complete(chunk)
                     if not chunk:
-                        self._extend(limit, attempt, idle_s)
+                        extend_idle(limit, attempt.deadline, idle_s)
                         continue
                     await response.write(chunk)  # a client that left raises here, on purpose
                     context.streamed_chunks += chunk.count(b"data:")
@@ -404,9 +389,9 @@ class Proxy:
                         self._metrics.child(self._metrics.ttft, request.model).observe(ttft)
                         context.ttft_ms = round(ttft * 1000, 2)
                         attempt.hooks.on_first_byte(request, endpoint)
-                        limit.reschedule(self._wait_limit(attempt, idle_s))  # from first byte to idle
+                        limit.reschedule(wait_limit(attempt.deadline, idle_s))  # from first byte to idle
                     else:
-                        self._extend(limit, attempt, idle_s)
+                        extend_idle(limit, attempt.deadline, idle_s)
         except TimeoutError:
             failure = "upstream stalled: no data within the idle or total timeout"
         if failure is not None:
@@ -425,7 +410,7 @@ class Proxy:
     ) -> bytes:
         wait = None
         try:
-            limit_at = self._wait_limit(attempt, attempt.settings.timeouts.first_byte_s)
+            limit_at = wait_limit(attempt.deadline, attempt.settings.timeouts.first_byte_s)
             async with asyncio.timeout_at(limit_at) as limit:
                 with self._breakers.first_byte_wait(endpoint, limit) as wait:
                     return await self._unless_prefill_fails(request, read_past_role_chunk(request, upstream))
