@@ -51,6 +51,7 @@ import aiohttp
 
 from loadtest.exact_arms import IDEAL, IDEAL_SIM_BLOCKS, PEERS, arm_names, start_front
 from loadtest.harness.fleet import start_replicas, stop_all
+from loadtest.harness.procfs import cpu_seconds, process_tree
 from loadtest.harness.scrape import fetch_metrics, reset_prefix_caches
 from loadtest.hit_ceiling import Sent, ceiling, engine_tokens
 from loadtest.realvllm.model import _WORDS, build_tokenizer
@@ -65,13 +66,9 @@ DEFAULT_ARMS = (
 )
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; 0 where unreadable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _gateway_cpu_s(pids: list[int]) -> float:
+    """CPU seconds so far of the gateway processes and their workers (``serve --workers N``)."""
+    return cpu_seconds([p for pid in pids for p in process_tree(pid)])
 
 
 def metric_value(text: str, sample: str) -> float | None:
@@ -293,14 +290,14 @@ async def run_arm(
                 for turn in turns:
                     await send(turn)
 
-            cpu_before = sum(process_cpu_s(pid) for pid in front.pids)
+            cpu_before = _gateway_cpu_s(front.pids)
             started = time.monotonic()
             if args.rate:
                 await open_loop(send, args.requests, args.rate, args.max_in_flight)
             else:
                 await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             elapsed = time.monotonic() - started
-            gateway_cpu_s = sum(process_cpu_s(pid) for pid in front.pids) - cpu_before
+            gateway_cpu_s = _gateway_cpu_s(front.pids) - cpu_before
             gateway_metrics: list[str] = []
             if front.predicts:
                 for url in front.urls:
