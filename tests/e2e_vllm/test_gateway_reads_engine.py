@@ -40,9 +40,16 @@ async def test_prefix_index_capacity_follows_cache_config_info(fleet: Fleet, sta
     assert expected != gw.state.config.prefix.capacity_blocks  # not the default bound
 
 
-async def _keep_busy(http: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> None:
-    """Back-to-back long generations on one replica until ``stop`` is set (each lasts ~3 s)."""
+async def _keep_busy(
+    http: aiohttp.ClientSession, url: str, stop: asyncio.Event, delay_s: float = 0.0
+) -> None:
+    """Back-to-back long generations on one replica until ``stop`` is set (each lasts ~3 s).
+
+    ``delay_s`` staggers two of these so their restarts never coincide and the replica is never
+    briefly idle: a CI run scraped ``running 0`` in such a gap.
+    """
     body = {"model": MODEL, "prompt": "engine load " * 10, "max_tokens": 2000, "ignore_eos": True}
+    await asyncio.sleep(delay_s)
     while not stop.is_set():
         async with http.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
             assert resp.status == 200
@@ -61,20 +68,32 @@ async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway
     gw = await start_gateway(fleet.urls, policy="prefix-aware", scrape={"interval_s": 0.2, "timeout_s": 3.0})
     busy_url, idle_url = fleet.urls
     stop = asyncio.Event()
-    load = [asyncio.create_task(_keep_busy(http, busy_url, stop)) for _ in range(2)]
+    load = [asyncio.create_task(_keep_busy(http, busy_url, stop, delay_s)) for delay_s in (0.0, 1.0)]
+    busy_name, idle_name = (url.split("://")[1] for url in fleet.urls)
     try:
 
         async def seen_busy() -> bool:
-            rows = await debug_endpoints(http, gw)
-            return rows[busy_url]["running"] >= 1 and rows[busy_url]["kv_usage"] > 0
+            """The debug view and the exported gauges agree the busy replica is busy.
 
-        await wait_until(seen_busy, 10.0, "the gateway to scrape running>=1 and kv_usage>0")
+            Both are read in one check: each scrape (every 0.2 s) rewrites them, so reading them
+            one after the other could straddle a scrape.
+            """
+            rows = await debug_endpoints(http, gw)
+            text = await gateway_metrics(http, gw)
+            running = metric_value(text, "llm_gateway_endpoint_running_requests", endpoint=busy_name)
+            kv_usage = metric_value(text, "llm_gateway_endpoint_kv_cache_utilization", endpoint=busy_name)
+            return (
+                rows[busy_url]["running"] >= 1
+                and rows[busy_url]["kv_usage"] > 0
+                and (running or 0) >= 1
+                and (kv_usage or 0) > 0
+            )
+
+        await wait_until(seen_busy, 10.0, "the gateway to scrape and export running>=1 and kv_usage>0")
         rows = await debug_endpoints(http, gw)
         assert rows[idle_url]["running"] == 0 and rows[idle_url]["kv_usage"] == 0
         text = await gateway_metrics(http, gw)
-        busy_name = busy_url.split("://")[1]
-        assert metric_value(text, "llm_gateway_endpoint_running_requests", endpoint=busy_name) >= 1
-        assert metric_value(text, "llm_gateway_endpoint_kv_cache_utilization", endpoint=busy_name) > 0
+        assert metric_value(text, "llm_gateway_endpoint_running_requests", endpoint=idle_name) == 0
     finally:
         stop.set()
         await asyncio.gather(*load)
