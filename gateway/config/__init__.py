@@ -120,6 +120,8 @@ class LimitConfig(_Strict):
         2048, ge=0, description="pooled connections per endpoint, per worker; 0 = unlimited"
     )
     retries: int = Field(1, ge=0, le=5, description="re-sends before the first byte, never same endpoint")
+    # held whole before it is sent on, so a hostile replica must not fill memory; 2,048 4k-dim embeddings fit
+    max_response_bytes: int = Field(256 << 20, ge=1, description="largest non-streamed upstream answer")
 
 
 class PrefixConfig(_Strict):

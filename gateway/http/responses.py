@@ -32,7 +32,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from gateway.errors import BadRequest, Conflict, NotFound
+from gateway.errors import BadRequest, Conflict, NotFound, UpstreamError
 from gateway.fleet.endpoint import Endpoint, Role
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.state import STATE, GatewayState
@@ -210,7 +210,8 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
                 state.sessions.responses.forget(response_id)
             if not content_type.startswith("text/event-stream"):
                 out["content-type"] = content_type
-                return web.Response(status=answer.status, body=await answer.read(), headers=out)
+                body = await _read_bounded(answer, state.config.limits.max_response_bytes, endpoint)
+                return web.Response(status=answer.status, body=body, headers=out)
             response = web.StreamResponse(status=answer.status, headers={**out, "content-type": content_type})
             await response.prepare(http_request)
             try:
@@ -231,6 +232,17 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
             "the stored response's replica is unavailable",
             code="response_replica_unavailable",
         ) from None
+
+
+async def _read_bounded(answer: aiohttp.ClientResponse, limit: int, endpoint: Endpoint) -> bytes:
+    """The replica's whole answer, refused (502) past ``limit``: one must not fill memory."""
+    parts, size = [], 0
+    async for chunk in answer.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamError(f"replica {endpoint.name}'s answer is larger than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:

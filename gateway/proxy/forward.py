@@ -21,20 +21,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gateway.config import LimitConfig, TimeoutConfig
 from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, UpstreamTimeout
 from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.proxy.hooks import HookSet, Outcome, RequestHooks
+from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
+from gateway.proxy.hooks import HookSet, Outcome
 from gateway.proxy.limits import extend_idle, wait_limit
 from gateway.proxy.pd import PDCoordinator, PDLeg
-from gateway.proxy.resilience import CircuitBreakers, RetryBudget, backoff_s
+from gateway.proxy.resilience import CircuitBreakers, backoff_s
 from gateway.proxy.sse import (
     SSEEventBuffer,
     aborted,
@@ -43,7 +42,13 @@ from gateway.proxy.sse import (
     extract_usage,
     read_past_role_chunk,
 )
-from gateway.proxy.upstream import ConnectFailed, ConnectionLost, UpstreamClient, UpstreamResponse
+from gateway.proxy.upstream import (
+    ConnectFailed,
+    ConnectionLost,
+    ResponseTooLarge,
+    UpstreamClient,
+    UpstreamResponse,
+)
 from gateway.request.types import InferenceRequest
 from gateway.scheduling.result import SchedulingResult
 
@@ -62,31 +67,6 @@ STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
 _NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected"})
 _ERROR_BODY_WAIT_S = 2.0  # a 5xx's body, kept to pass on if no retry succeeds: at most this long
 _ERROR_BODY_MAX = 65536  # and this large
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    """What a config reload may change; requests already running keep the values they started with."""
-
-    timeouts: TimeoutConfig
-    limits: LimitConfig
-    retry_budget: RetryBudget
-    retry_backoff_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Attempt:
-    started: float  # time.monotonic() at arrival, for latency metrics
-    deadline: float  # loop time by which the whole request must end
-    settings: ProxySettings
-    hooks: RequestHooks
-
-
-class _Retryable(Exception):
-    def __init__(self, reason: str, response: web.Response | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.response = response
 
 
 class Proxy:
@@ -119,11 +99,11 @@ class Proxy:
         settings = self.settings
         ranked = [s.endpoint for s in result.ranked]
         attempts = other_servers_first(ranked)[: 1 + settings.limits.retries]
-        last_failure: _Retryable | None = None
+        last_failure: Retryable | None = None
         loop = asyncio.get_running_loop()
         # One hard deadline for the whole request; every wait below is capped by it,
         # so a committed stream still ends cleanly (error event + [DONE]) at the limit.
-        attempt = _Attempt(time.monotonic(), loop.time() + settings.timeouts.total_s, settings, hooks.attempt)
+        attempt = Attempt(time.monotonic(), loop.time() + settings.timeouts.total_s, settings, hooks.attempt)
         prefill = result.prefill_ranked
         self._count_pd_decision(request, prefill is not None)
         # A failed prefill leg is not the decode replica's fault: the pair is re-sent with
@@ -150,7 +130,7 @@ class Proxy:
             try:
                 body = leg.decode_body if leg is not None else request.raw_body
                 return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
-            except _Retryable as failure:
+            except Retryable as failure:
                 last_failure = failure
                 if failure.reason != "prefill_failed":
                     index += 1
@@ -159,24 +139,31 @@ class Proxy:
         assert last_failure is not None
         if last_failure.response is not None:
             return last_failure.response  # the last upstream's own 5xx, passed through
+        if loop.time() >= attempt.deadline:
+            raise UpstreamTimeout(f"the request's total timeout passed ({last_failure.reason})")
         raise EndpointUnavailable(
             f"no endpoint could be reached for model {request.model!r} ({last_failure.reason})",
             code="upstream_unavailable",
         )
 
-    async def _may_retry(self, attempt: _Attempt, retry_number: int) -> bool:
-        """Spend from the retry budget, then back off (full jitter) within the deadline."""
+    async def _may_retry(self, attempt: Attempt, retry_number: int) -> bool:
+        """Spend from the retry budget, then back off (full jitter) within the deadline.
+
+        Never once the deadline has passed: a re-send with no time left would time out at
+        once and be charged to an endpoint it never reached."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= attempt.deadline:
+            return False
         if not attempt.settings.retry_budget.try_spend():
             self._metrics.retry_budget_exhausted.inc()
             return False
         if attempt.settings.retry_backoff_s > 0:
-            loop = asyncio.get_running_loop()
             delay = min(
                 backoff_s(attempt.settings.retry_backoff_s, retry_number), attempt.deadline - loop.time()
             )
             if delay > 0:
                 await asyncio.sleep(delay)
-        return True
+        return loop.time() < attempt.deadline
 
     def _count_pd_decision(self, request: InferenceRequest, disaggregated: bool) -> None:
         decision = request.context.pd_decision
@@ -190,7 +177,7 @@ class Proxy:
         request: InferenceRequest,
         endpoint: Endpoint,
         extra_headers: dict[str, str],
-        attempt: _Attempt,
+        attempt: Attempt,
         body: bytes,
     ) -> web.StreamResponse:
         hooks = attempt.hooks
@@ -218,7 +205,7 @@ class Proxy:
                 self._metrics.requests, request.model, endpoint.name, str(response.status)
             ).inc()
             return response
-        except _Retryable as failure:
+        except Retryable as failure:
             if failure.reason not in _NOT_THE_ENDPOINTS_FAULT:
                 verdict = failure.reason
             raise
@@ -246,7 +233,7 @@ class Proxy:
             hooks.on_done(request, endpoint, Outcome(ok, verdict))
 
     async def _open(
-        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, body: bytes
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, body: bytes
     ) -> UpstreamResponse:
         form = request.form
         content_type = "application/json" if form is None else form.content_type
@@ -265,19 +252,19 @@ class Proxy:
                     )
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
-                raise _Retryable(wait.aborted) from None  # ejected while we waited: re-send elsewhere
+                raise Retryable(wait.aborted) from None  # ejected while we waited: re-send elsewhere
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
             raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
         except ConnectFailed as exc:
             self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
-            raise _Retryable("connect") from exc
+            raise Retryable("connect") from exc
         except ConnectionLost as exc:  # accepted, then closed before any response byte
             self._metrics.upstream_errors.labels(endpoint.name, "disconnected").inc()
-            raise _Retryable("disconnected") from exc
+            raise Retryable("disconnected") from exc
 
     async def _server_error(
-        self, endpoint: Endpoint, upstream: UpstreamResponse, headers: dict[str, str], attempt: _Attempt
-    ) -> _Retryable:
+        self, endpoint: Endpoint, upstream: UpstreamResponse, headers: dict[str, str], attempt: Attempt
+    ) -> Retryable:
         """A 5xx before the first byte: retryable; its body is kept to pass on if no retry
         succeeds, read briefly and capped (a trickled one held the retry for first_byte_s)."""
         reason = f"http_{upstream.status}"
@@ -288,11 +275,11 @@ class Proxy:
                 while len(body) <= _ERROR_BODY_MAX and (chunk := await upstream.readany()):
                     body += chunk
         except (TimeoutError, ConnectionLost):
-            return _Retryable(reason)  # its body stalled or broke: nothing worth passing on
+            return Retryable(reason)  # its body stalled or broke: nothing worth passing on
         if len(body) > _ERROR_BODY_MAX:
-            return _Retryable(reason)
+            return Retryable(reason)
         headers["content-type"] = upstream.content_type
-        return _Retryable(reason, web.Response(status=upstream.status, body=body, headers=headers))
+        return Retryable(reason, web.Response(status=upstream.status, body=body, headers=headers))
 
     async def _buffered(
         self,
@@ -300,22 +287,25 @@ class Proxy:
         endpoint: Endpoint,
         upstream: UpstreamResponse,
         headers: dict[str, str],
-        attempt: _Attempt,
+        attempt: Attempt,
     ) -> web.Response:
         try:
             async with asyncio.timeout_at(
                 wait_limit(attempt.deadline, attempt.settings.timeouts.first_byte_s)
             ):
-                body = await upstream.read()
+                body = await upstream.read(attempt.settings.limits.max_response_bytes)
         except TimeoutError:
             raise UpstreamTimeout("upstream response body timed out") from None
+        except ResponseTooLarge as exc:
+            self._metrics.upstream_errors.labels(endpoint.name, "too_large").inc()
+            raise UpstreamError(str(exc)) from None
         except ConnectionLost as exc:
             raise UpstreamError(f"upstream failed while sending its response: {exc}") from None
         if upstream.status == 200 and b'"abort"' in body and aborted(body):
             # vLLM shutting down answers in-flight requests 200 with finish_reason "abort" and
             # a truncated text. Nothing reached the client yet: re-send it elsewhere.
             self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
-            raise _Retryable("aborted")
+            raise Retryable("aborted")
         if upstream.status == 200:
             request.context.answer_head = body[:4096]
         attempt.hooks.on_first_byte(request, endpoint)
@@ -336,7 +326,7 @@ class Proxy:
         endpoint: Endpoint,
         upstream: UpstreamResponse,
         headers: dict[str, str],
-        attempt: _Attempt,
+        attempt: Attempt,
     ) -> tuple[web.StreamResponse, bool]:
         """Pipe the SSE stream; returns the response and whether it ended cleanly.
 
@@ -359,6 +349,7 @@ class Proxy:
         idle_s = timeouts.idle_s
         previous = last = b""  # the usage object sits in the last chunks of the stream
         events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
+        writing = False  # the idle limit also bounds a write to a client that reads nothing
         try:
             async with asyncio.timeout_at(wait_limit(attempt.deadline, timeouts.first_byte_s)) as limit:
                 while True:
@@ -373,6 +364,7 @@ class Proxy:
                     if not chunk:
                         chunk = events.flush()  # the upstream's last bytes, however they end
                         if chunk:
+                            writing = True
                             await response.write(chunk)
                             previous, last = last, chunk
                         break
@@ -380,7 +372,9 @@ class Proxy:
                     if not chunk:
                         extend_idle(limit, attempt.deadline, idle_s)
                         continue
+                    writing = True
                     await response.write(chunk)  # a client that left raises here, on purpose
+                    writing = False
                     context.streamed_chunks += chunk.count(b"data:")
                     previous, last = last, chunk
                     if first:
@@ -393,6 +387,10 @@ class Proxy:
                     else:
                         extend_idle(limit, attempt.deadline, idle_s)
         except TimeoutError:
+            if writing:  # not the upstream's stall: the client stopped reading, so it is gone
+                if http_request.transport is not None:
+                    http_request.transport.abort()
+                raise ConnectionResetError("the client did not read the stream in time") from None
             failure = "upstream stalled: no data within the idle or total timeout"
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
@@ -406,7 +404,7 @@ class Proxy:
         return response, failure is None
 
     async def _first_chunk(
-        self, request: InferenceRequest, endpoint: Endpoint, upstream: UpstreamResponse, attempt: _Attempt
+        self, request: InferenceRequest, endpoint: Endpoint, upstream: UpstreamResponse, attempt: Attempt
     ) -> bytes:
         wait = None
         try:
@@ -416,10 +414,10 @@ class Proxy:
                     return await self._unless_prefill_fails(request, read_past_role_chunk(request, upstream))
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
-                raise _Retryable(wait.aborted) from None
+                raise Retryable(wait.aborted) from None
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
-            raise _Retryable("disconnected") from exc
+            raise Retryable("disconnected") from exc
 
     def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> Awaitable[T]:
         """``wait`` (itself, without a running SGLang prefill leg), unless that leg fails first."""
@@ -434,7 +432,7 @@ class Proxy:
         try:
             await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
             if not waiting.done() and leg.failed:
-                raise _Retryable("prefill_failed")
+                raise Retryable("prefill_failed")
             return await waiting
         finally:
             if not waiting.done():
@@ -442,7 +440,7 @@ class Proxy:
                 await asyncio.gather(waiting, return_exceptions=True)
 
     def _report_usage(
-        self, request: InferenceRequest, endpoint: Endpoint, attempt: _Attempt, tail: bytes
+        self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, tail: bytes
     ) -> None:
         usage = extract_usage(tail)
         if usage is not None:

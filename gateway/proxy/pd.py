@@ -35,13 +35,15 @@ from gateway.fleet.dp import RANK_HEADER
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.hooks import Outcome, RequestHooks
-from gateway.proxy.upstream import ConnectFailed, ConnectionLost, UpstreamClient
+from gateway.proxy.upstream import ConnectFailed, ConnectionLost, ResponseTooLarge, UpstreamClient
 from gateway.request.types import InferenceRequest
 
 __all__ = ["PDCoordinator", "PDLeg", "PDState"]
 
 log = logging.getLogger(__name__)
 
+# a prefill answer is one token and the KV transfer parameters: anything near this is broken
+_MAX_PREFILL_ANSWER_BYTES = 16 * 1024 * 1024
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 _EMPTY_TRANSFER = {
     "do_remote_decode": True,
@@ -157,7 +159,7 @@ class PDCoordinator:
                 response = await self._client.post(
                     endpoint.url, request.api.upstream_path, body, _headers(request, endpoint)
                 )
-                payload = await response.read()
+                payload = await response.read(_MAX_PREFILL_ANSWER_BYTES)
             if response.status != 200:
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
                 verdict = f"http_{response.status}" if response.status >= 500 else None  # 4xx: the request's
@@ -177,6 +179,10 @@ class PDCoordinator:
         except ConnectionLost:
             self._metrics.child(self._metrics.pd_prefill_failures, "connect").inc()
             verdict = "disconnected"
+            return None
+        except ResponseTooLarge:
+            self._metrics.child(self._metrics.pd_prefill_failures, "too_large").inc()
+            verdict = "upstream_error"
             return None
         finally:
             if response is not None:

@@ -139,6 +139,9 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
     (:class:`ConnectionLost`, retried like any other).
     """
     chunk = await upstream.readany()
+    if not chunk:  # a 200 stream with no event at all: broken, retried like any other
+        # (committed, the client got an empty 200 with no error, and the replica a success)
+        raise ConnectionLost("the stream ended before its first event", before_response=False)
     opening: Callable[[bytes], bool]
     if request.api is ApiKind.CHAT:
         if b'"role"' not in chunk or not _only_role(chunk):
@@ -146,8 +149,6 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
         opening, limit = _only_role, _MAX_HELD_BYTES
     elif (typed := _TYPED_OPENING.get(request.api)) is not None:
         opening, limit = typed, _MAX_HELD_TYPED_BYTES
-        if not chunk:  # a 200 stream with no event at all: broken, retried like any other
-            raise ConnectionLost("the stream ended before its first event", before_response=False)
         if not opening(chunk):
             return chunk
     else:
@@ -227,7 +228,9 @@ _decode = msgspec.json.Decoder().decode
 
 def _only_role(buffer: bytes) -> bool:
     """True while every complete SSE event so far is a role-only chat delta (nothing to show yet)."""
-    *events, _incomplete_tail = buffer.split(b"\n\n")
+    # CRLF framing too (sse-starlette's default separator): split on LF alone, such a stream
+    # never showed a complete event and was held until 16 KB or its end
+    *events, _incomplete_tail = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
     for event in events:
         event = event.strip()
         if not event.startswith(b"data:"):

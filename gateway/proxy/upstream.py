@@ -38,11 +38,17 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.proxy.upstream_response import ConnectFailed, ConnectionLost, UpstreamResponse
+from gateway.proxy.upstream_response import (
+    ConnectFailed,
+    ConnectionLost,
+    ResponseTooLarge,
+    UpstreamResponse,
+)
 
 __all__ = [
     "ConnectFailed",
     "ConnectionLost",
+    "ResponseTooLarge",
     "UpstreamClient",
     "UpstreamResponse",
 ]

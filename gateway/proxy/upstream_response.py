@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gateway.proxy.upstream import _Connection
 
-__all__ = ["ConnectFailed", "ConnectionLost", "UpstreamClientError", "UpstreamResponse"]
+__all__ = ["ConnectFailed", "ConnectionLost", "ResponseTooLarge", "UpstreamClientError", "UpstreamResponse"]
 
 _HIGH_WATER = 512 * 1024  # buffered body bytes before we stop reading from the socket
 _LOW_WATER = 64 * 1024
@@ -34,6 +34,10 @@ class ConnectionLost(UpstreamClientError):
         super().__init__(message)
         self.before_response = before_response
         self.silent = silent
+
+
+class ResponseTooLarge(UpstreamClientError):
+    """A buffered answer grew past its limit (a broken or hostile replica must not fill memory)."""
 
 
 class UpstreamResponse:
@@ -110,10 +114,14 @@ class UpstreamResponse:
         self._chunks.clear()
         return chunks
 
-    async def read(self) -> bytes:
-        parts = []
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; :class:`ResponseTooLarge` once it grows past ``limit`` bytes."""
+        parts, size = [], 0
         while chunk := await self.readany():
             parts.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise ResponseTooLarge(f"the upstream's answer is larger than {limit} bytes")
         return b"".join(parts)
 
     def release(self) -> None:
