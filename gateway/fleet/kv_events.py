@@ -8,8 +8,9 @@ yields, so a burst never holds the event loop, and fed to a :class:`KVEventSink`
 Sequence numbers keep the state exact: a gap is filled from the replay endpoint (a
 DEALER sends ``[b"", start_seq]``, the ROUTER answers each buffered message as
 ``[b"", topic, seq, payload]`` — vLLM 0.32; older ones leave the topic out — then seq
--1); what the replay cannot give back any more, or a stream without replay, drops the
-endpoint's state (never keep a block whose removal may have been missed). Every
+-1); a hole in a replay (vLLM's ROUTER drops past its send queue) is asked for again; what
+the replay cannot give back any more, or a stream without replay, drops the endpoint's
+state (never keep a block whose removal may have been missed). Every
 (re)connection drops the state and replays from 0: a restarted engine starts at seq 0
 with an empty cache, an old one resends its buffer. A disconnected stream, or one whose
 batches arrive later than ``stale_after_s`` after publishing, is not live: the sink
@@ -24,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,8 +33,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
+from gateway.config.kv_events import ExactPrefixConfig
 from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.kv_sources import KVEventSource, discover_source, source_from
 from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_ranked_batch, decode_seq
 from gateway.fleet.registry import EndpointRegistry
 from gateway.fleet.zmq_context import OwnedContext
@@ -46,90 +47,14 @@ __all__ = ["KVEventSource", "KVEventSubscriber", "discover_source", "source_from
 log = logging.getLogger(__name__)
 
 _DRAIN = 256  # messages decoded per wake-up before yielding to the loop
+_SLICE_S = 0.005  # and at most this long: a batch can hold thousands of blocks (a replay: 10k batches)
 _POLL_MS = 250
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventSource:
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str = ""
-
-
-def _on_host(address: str | None, host: str) -> str | None:
-    """``tcp://*:5557`` (or ``0.0.0.0``/``::``) → ``tcp://<host>:5557``: vLLM binds, we connect."""
-    if not address:
-        return None
-    scheme, _, rest = address.partition("://")
-    bound, _, port = rest.rpartition(":")
-    if bound in ("*", "0.0.0.0", "[::]", "::", ""):
-        bound = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{bound}:{port}"
-
-
-def source_from(raw: Any, host: str, rank: int | None = None) -> KVEventSource | None:
-    """A vLLM KVEventsConfig, or several keyed by DP rank (vLLM 0.32) or listed: the first rank's,
-    or rank ``rank``'s (a data-parallel rank target; a single config: its ports offset by the rank)."""
-    if isinstance(raw, dict) and isinstance(raw.get("sources", raw.get("data")), list):
-        raw = raw.get("sources", raw.get("data"))
-    offset = 0
-    if isinstance(raw, dict) and raw and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in raw):
-        # vLLM 0.32: {"<dp rank>": KVEventsConfig, ...}
-        raw = raw[min(raw, key=int)] if rank is None else raw.get(str(rank))
-    elif isinstance(raw, list):
-        index = 0 if rank is None else rank
-        raw = raw[index] if 0 <= index < len(raw) else None
-    elif rank is not None:
-        offset = rank  # one config for every rank: vLLM's offset_endpoint_port
-    if isinstance(raw, KVEventSourceConfig):
-        if not raw.enabled:
-            return None
-        raw = raw.model_dump()
-    if not isinstance(raw, dict) or raw.get("enable_kv_cache_events") is False:
-        return None
-    if raw.get("publisher", "zmq") != "zmq":
-        return None
-    endpoint = raw.get("endpoint")
-    if not isinstance(endpoint, str) or not _tcp_address(endpoint):
-        return None  # only tcp://host:port (a port in 1..65535): anything else is garbage
-    replay = raw.get("replay_endpoint")
-    if not isinstance(replay, str) or not _tcp_address(replay):
-        replay = None
-    topic = raw.get("topic") or ""
-    return KVEventSource(
-        _offset(_on_host(endpoint, host) or endpoint, offset) or endpoint,
-        _offset(_on_host(replay, host), offset) if isinstance(replay, str) else None,
-        topic if isinstance(topic, str) else "",
-    )
-
-
-def _tcp_address(address: str) -> bool:
-    port = address.rpartition(":")[2]
-    return address.startswith("tcp://") and port.isascii() and port.isdigit() and 0 < int(port) < 65536
-
-
-def _offset(address: str | None, by: int) -> str | None:
-    head, _, port = (address or "").rpartition(":")
-    return f"{head}:{int(port) + by}" if by and port.isascii() and port.isdigit() else address
-
-
-async def discover_source(
-    session: aiohttp.ClientSession, endpoint: Endpoint, timeout_s: float
-) -> KVEventSource | None:
-    host = urlsplit(endpoint.base_url).hostname or "127.0.0.1"
-    try:
-        async with session.get(
-            endpoint.base_url + "/kv_event_sources",
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            headers={"authorization": endpoint.auth_header} if endpoint.auth_header else None,
-            ssl=endpoint.ssl_context or True,
-        ) as resp:
-            if resp.status != 200:
-                return None
-            body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError):
-        return None
-    return source_from(body, host, endpoint.dp_rank)  # a DP rank target: its rank's entry
+# vLLM's replay ROUTER drops what its send queue (1,000 messages) cannot hold: a hole is asked
+# for again from where it starts, this many times, before the state starts over there
+_REPLAY_TRIES = 3
+# a batch this far behind the next one wanted is a new publisher (or the one before was a
+# bogus jump), not one already applied: vLLM's replay buffer holds 10,000 batches
+_RESYNC_SPAN = 100_000
 
 
 class KVEventSubscriber:
@@ -184,7 +109,7 @@ class KVEventSubscriber:
         current = {e.name: e for e in self._registry.targets()}
         for key, (endpoint, task) in list(self._tasks.items()):
             if current.get(key) is not endpoint:
-                task.cancel()
+                task.cancel()  # its stream's last words (not live) must not bring it back: follows()
                 del self._tasks[key]
                 self.sink.clear(endpoint.name, "removed")
                 self.metrics.forget(endpoint.name)
@@ -196,6 +121,11 @@ class KVEventSubscriber:
                 )
                 self._tasks[key] = (endpoint, task)
 
+    def follows(self, name: str, task: asyncio.Task[Any] | None) -> bool:
+        """Whether ``task`` is still the one following ``name`` (not removed or replaced since)."""
+        followed = self._tasks.get(name)
+        return followed is not None and followed[1] is task
+
     async def _follow(self, endpoint: Endpoint) -> None:
         while True:
             if endpoint.owner.kv_events is not None:
@@ -205,11 +135,13 @@ class KVEventSubscriber:
                 source = await discover_source(self._session, endpoint, self.config.replay_timeout_s)
             else:
                 source = None
+            opened = False
             if source is not None and self._ctx is not None:
-                await _Stream(self, endpoint.name, source, self._ctx, endpoint.dp_rank).run()
+                opened = await _Stream(self, endpoint.name, source, self._ctx, endpoint.dp_rank).run()
             else:
                 self.sink.set_live(endpoint.name, False)
-            await asyncio.sleep(self.config.rediscover_s if source is None else 0.1)
+            # an address ZeroMQ refuses is asked for again at the discovery pace, not in a tight loop
+            await asyncio.sleep(0.1 if opened else self.config.rediscover_s)
 
 
 class _Stream:
@@ -230,15 +162,28 @@ class _Stream:
         self.connected = False
         self.fresh = True
         self._warned = False
+        self._task = asyncio.current_task()
 
-    async def run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
+    async def run(self) -> bool:
+        """Follow the stream; False at once if no socket could be opened for it."""
+        try:
+            sub = self.ctx.socket(zmq.SUB)
+        except zmq.ZMQError as exc:  # the context's socket limit: this stream waits, others run
+            log.warning("kv events: %s: no socket for %s: %s", self.name, self.source.endpoint, exc)
+            return False
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # connected means the ZeroMQ handshake is done: a port that accepts TCP and never speaks
+        # ZMTP (a wrong port, a proxy before its upstream is up) must not count as a live stream
+        try:
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError as exc:
+            log.warning("kv events: %s: no monitor for %s: %s", self.name, self.source.endpoint, exc)
+            sub.close(0)
+            return False
         try:
             sub.connect(self.source.endpoint)
         except zmq.ZMQError as exc:  # an address ZeroMQ refuses: no stream, and no socket left open
@@ -247,7 +192,7 @@ class _Stream:
                 sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
-            return
+            return False
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -257,13 +202,13 @@ class _Stream:
             while True:
                 ready = dict(await poller.poll(_POLL_MS))
                 if monitor in ready:
-                    await self._monitor(monitor)
+                    await self._monitor(monitor, sub)
                 if sub in ready:
                     await self._drain(sub)
                 if self.connected:
                     down_since = time.monotonic()
                 elif time.monotonic() - down_since > self.config.rediscover_s:
-                    return  # the publisher may have moved: ask /kv_event_sources again
+                    return True  # the publisher may have moved: ask /kv_event_sources again
         finally:
             self._set_live(False)
             with contextlib.suppress(zmq.ZMQError):
@@ -272,14 +217,14 @@ class _Stream:
             sub.close(0)
 
     # -- connection -------------------------------------------------------------------------
-    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket) -> None:
         while True:
             try:
                 frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             event = parse_monitor_message(frames)["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
                 # A new connection may be a new engine (seq from 0, empty cache): start over
                 # from whatever the replay buffer still holds.
@@ -290,18 +235,39 @@ class _Stream:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._set_live(False)
+                # what the old connection still has queued would follow the next one's replay and
+                # look like a gap (a restarted engine counts from 0 again): it is dropped here
+                await self._discard(sub)
                 log.warning(
                     "kv events: %s publisher disconnected; approximate index answers for it", self.name
                 )
 
     def _set_live(self, live: bool) -> None:
+        if not self.owner.follows(self.name, self._task):
+            return  # removed from the fleet (or replaced): its entry and series are gone for good
         live = live and self.connected and self.fresh and self.expected is not None
         self.sink.set_live(self.name, live)
         self.metrics.live.labels(self.name).set(1 if live else 0)
 
     # -- messages ---------------------------------------------------------------------------
+    async def _discard(self, sub: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _SLICE_S
+        for _ in range(1_000_000):  # bounded by the socket's receive limit (100,000)
+            try:
+                await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if loop.time() > until:
+                await asyncio.sleep(0)
+                until = loop.time() + _SLICE_S
+
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _SLICE_S
         for _ in range(_DRAIN):
+            if loop.time() > until:
+                break
             try:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -325,7 +291,9 @@ class _Stream:
             return
         if self.expected is None:
             return  # not synced yet: the replay on connect covers it
-        if seq < self.expected:
+        if seq < self.expected - _RESYNC_SPAN:
+            self._reset("sequence went back", seq)  # a new publisher, or the last jump was bogus
+        elif seq < self.expected:
             return  # already applied (replayed)
         if seq > self.expected:
             self.metrics.replays.labels(self.name, "gap").inc()
@@ -365,27 +333,60 @@ class _Stream:
             self._set_live(True)
 
     async def _replay(self, start: int, *, lost_reason: str | None, until: int | None = None) -> None:
-        """Apply the buffered messages from ``start``; what cannot be had drops the state."""
-        replayed = await self._fetch_replay(start)
-        if replayed is None:
-            if until is not None:  # a gap nobody can fill: start over from here
-                self._reset(lost_reason or "gap", until)
-            return
+        """Apply the buffered messages from ``start``; what cannot be had drops the state.
+
+        On connect (no ``lost_reason``) the buffer starts where it starts. A hole after the first
+        message is asked for again (vLLM's ROUTER drops what its send queue cannot hold, and a
+        removal lost there would leave an evicted block indexed); one still missing after
+        ``_REPLAY_TRIES`` fetches starts the state over after it."""
+        first_may_jump = lost_reason is None
+        for tries_left in reversed(range(_REPLAY_TRIES)):
+            replayed = await self._fetch_replay(start)
+            if replayed is None:
+                if until is not None:  # a gap nobody can fill: start over from here
+                    self._reset(lost_reason or "gap", until)
+                return
+            reason = lost_reason or "replay hole"
+            if not await self._apply_replayed(replayed, first_may_jump, reason, stop_at_hole=tries_left > 0):
+                break
+            self.metrics.replays.labels(self.name, "hole").inc()
+            assert self.expected is not None
+            start, first_may_jump = self.expected, False
+        if until is not None and self.expected is not None and self.expected < until:
+            self._reset(lost_reason or "gap", until)
+        self.metrics.replays.labels(self.name, "ok").inc()
+
+    async def _apply_replayed(
+        self, replayed: list[tuple[int, bytes]], first_may_jump: bool, reason: str, *, stop_at_hole: bool
+    ) -> bool:
+        """Apply a replay in order, yielding to the loop every ``_SLICE_S``; True if it stopped at
+        a hole to ask for it again. A first message past the one wanted is where the buffer now
+        starts: accepted on connect, else the state starts over there."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _SLICE_S
+        first = True
         for seq, payload in replayed:
             assert self.expected is not None
             if seq < self.expected:
                 continue
+            if seq > self.expected:
+                if first and not first_may_jump:
+                    self._reset(reason, seq)  # the buffer no longer reaches back far enough
+                elif not first and stop_at_hole:
+                    return True
+                elif not first:
+                    self._reset(reason, seq)
+            first = False
             try:
                 batch = self._decode(payload)
             except DecodeError as exc:
                 self._malformed(str(exc))
                 continue
-            if seq > self.expected and lost_reason is not None:
-                self._reset(lost_reason, seq)  # the buffer no longer reaches back far enough
             self._apply(seq, batch, replayed=True)
-        if until is not None and self.expected is not None and self.expected < until:
-            self._reset(lost_reason or "gap", until)
-        self.metrics.replays.labels(self.name, "ok").inc()
+            if loop.time() > until:
+                await asyncio.sleep(0)
+                until = loop.time() + _SLICE_S
+        return False
 
     def _reset(self, reason: str, seq: int) -> None:
         self.sink.clear(self.name, reason)  # the sink counts the reset if it held anything
@@ -398,9 +399,16 @@ class _Stream:
         address = self.source.replay_endpoint
         if address is None:
             return None
-        dealer = self.ctx.socket(zmq.DEALER)
+        try:
+            dealer = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:  # the context's socket limit: no replay now, not a dead stream
+            self.metrics.replays.labels(self.name, "failed").inc()
+            log.warning("kv events: %s: no socket to replay from %s: %s", self.name, address, exc)
+            return None
         dealer.setsockopt(zmq.LINGER, 0)
         out: list[tuple[int, bytes]] = []
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _SLICE_S
         try:
             dealer.connect(address)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -414,6 +422,9 @@ class _Stream:
                     if seq == -1:
                         return out
                     out.append((seq, frames[-1]))
+                    if loop.time() > until:  # a ready message is had without yielding: 10k of them
+                        await asyncio.sleep(0)
+                        until = loop.time() + _SLICE_S
         except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
             self.metrics.replays.labels(self.name, "failed").inc()
             log.warning("kv events: replay from %s failed: %s", address, exc or "timeout")

@@ -15,12 +15,15 @@ finalizers run, and closes them itself before terminating.
 from __future__ import annotations
 
 import contextlib
+import resource
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 __all__ = ["OwnedContext"]
+
+_MOST_SOCKETS = 65536
 
 
 class OwnedContext(zmq.asyncio.Context):
@@ -29,6 +32,13 @@ class OwnedContext(zmq.asyncio.Context):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._open = []
+        # libzmq allows 1,023 sockets by default and a KV-event stream takes ~3 (SUB, its monitor
+        # and the monitor's pair; a replay a DEALER more): ~340 streams. Allow what the
+        # process's descriptors allow instead (each socket holds at least one).
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft > _MOST_SOCKETS:
+            soft = _MOST_SOCKETS
+        self.set(zmq.MAX_SOCKETS, max(soft, 1024))
 
     def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> Any:
         sock = super().socket(socket_type, *args, **kwargs)

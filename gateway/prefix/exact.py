@@ -99,6 +99,7 @@ class _Blocks:
     def clear(self) -> None:
         self.keys.clear()
         self.by_engine.clear()
+        self.loras.clear()  # bounded by what one engine's lifetime names
         if self.pending is not None:
             self.pending.clear()
 

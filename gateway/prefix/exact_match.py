@@ -72,7 +72,10 @@ class ExactPrefix:
         keys: dict[tuple[int, str | None], list[int]] = {}
         for endpoint in todo:
             size = self._block_size(endpoint)
-            lora = request.model if index.lora_known(endpoint.name, request.model) else None
+            # an adapter the replica serves (/v1/models) is one before its first BlockStored names it
+            model = request.model
+            adapter = model in endpoint.owner.adapters or index.lora_known(endpoint.name, model)
+            lora = model if adapter else None
             chain = keys.get((size, lora))
             if chain is None:
                 if len(tokens) > _KEYS_OFF_LOOP_TOKENS:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gateway.fleet.dp import engine_ranks, set_ranks, update_rank_loads
 from gateway.fleet.endpoint import Endpoint
-from gateway.fleet.kv_events import source_from
+from gateway.fleet.kv_sources import source_from
 from gateway.fleet.registry import EndpointRegistry
 
 DATA = Path(__file__).resolve().parents[1] / "data"

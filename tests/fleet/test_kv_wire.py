@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from gateway.config.kv_events import KVEventSourceConfig
-from gateway.fleet.kv_events import source_from
+from gateway.fleet.kv_sources import source_from
 from gateway.fleet.kv_wire import (
     AllBlocksCleared,
     BlockRemoved,

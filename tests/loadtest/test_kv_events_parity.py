@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gateway.fleet.kv_events import source_from
+from gateway.fleet.kv_sources import source_from
 from gateway.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from loadtest.realvllm.kv_capture import capture
 from loadtest.simulator import SimConfig, running_simulator

@@ -1,0 +1,328 @@
+"""The KV-event subscriber against publishers that misbehave the way real ones can.
+
+A real pyzmq PUB socket and a replay ROUTER answering as vLLM 0.32's does, in front of the
+gateway's own subscriber and exact index. Each case was found by an adversarial review
+(2026-12-05) and failed before its fix: replay holes kept evicted blocks, a replay held the
+event loop, a bare TCP port counted as a live stream, a restarted publisher lost to the old
+one's backlog, a jumped sequence number froze the stream, removed endpoints came back, a
+refused address warned ten times a second, and ~340 streams exhausted ZeroMQ's sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.kv_events import KVEventSubscriber
+from gateway.fleet.registry import EndpointRegistry
+from gateway.ops.kv_metrics import KVEventMetrics
+from gateway.prefix.exact import ExactIndex
+
+B = 16  # block size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stored(hashes: list[int], tokens_seed: int = 0) -> dict:
+    tokens = [(tokens_seed + i) % 30_000 for i in range(B * len(hashes))]
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": B,
+        "medium": "GPU",
+    }
+
+
+def removed(hashes: list[int]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+
+def _seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def batch(events: list[dict]) -> bytes:
+    return msgspec.msgpack.encode([time.time(), events, None])
+
+
+class Publisher:
+    """A PUB socket and a replay ROUTER (``[ident, b"", b"", seq, payload]``, then seq -1).
+
+    ``drop(seq)`` says, per replay request and seq, whether the ROUTER leaves it out, as vLLM's
+    does once its 1,000-message send queue is full."""
+
+    def __init__(self, pub_port: int | None = None, replay_port: int | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.pub_port, self.replay_port = pub_port or _free_port(), replay_port or _free_port()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.replays = 0
+        self.drop: Callable[[int, int], bool] = lambda request, seq: False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(50)):
+                continue
+            ident, _, start = self.router.recv_multipart()
+            request, self.replays = self.replays, self.replays + 1
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):
+                if seq >= first and not self.drop(request, seq):
+                    self.router.send_multipart([ident, b"", b"", _seq(seq), payload])
+            self.router.send_multipart([ident, b"", b"", _seq(-1), b""])
+
+    def send(self, payload: bytes, seq: int | None = None, keep: bool = True) -> None:
+        seq = self.seq if seq is None else seq
+        self.seq = seq + 1
+        if keep:
+            self.buffer.append((seq, payload))
+        self.pub.send_multipart([b"", _seq(seq), payload])
+
+    def endpoint(self, port: int) -> Endpoint:
+        e = Endpoint(f"http://127.0.0.1:{port}", healthy=True)
+        e.kv_events = KVEventSourceConfig(
+            endpoint=f"tcp://127.0.0.1:{self.pub_port}", replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}"
+        )
+        return e
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.router.close(0)
+        self.pub.close(0)
+        self.ctx.term()
+
+
+class Fleet:
+    def __init__(self, endpoints: Iterable[Endpoint], **config) -> None:
+        self.registry = EndpointRegistry(list(endpoints))
+        self.metrics = KVEventMetrics(CollectorRegistry())
+        self.index = ExactIndex(self.metrics)
+        self.crashes: list[str] = []
+        config.setdefault("replay_timeout_s", 10.0)
+        self.subscriber = KVEventSubscriber(
+            self.registry,
+            None,  # type: ignore[arg-type]  # no discovery: every endpoint names its stream
+            self.index,
+            self.metrics,
+            ExactPrefixConfig(discover=False, **config),
+            on_crash=self.crashes.append,
+            reconcile_s=0.2,
+        )
+
+    def counted(self, counter, **labels: str) -> float:
+        return sum(
+            s.value
+            for m in counter.collect()
+            for s in m.samples
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+
+@contextlib.asynccontextmanager
+async def following(fleet: Fleet) -> AsyncIterator[Fleet]:
+    task = asyncio.create_task(fleet.subscriber.run())
+    try:
+        yield fleet
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert not fleet.crashes
+
+
+@pytest.fixture
+def publishers():
+    made: list[Publisher] = []
+
+    def make(*ports: int) -> Publisher:
+        made.append(Publisher(*ports))
+        return made[-1]
+
+    yield make
+    for pub in made:
+        with contextlib.suppress(zmq.ZMQError):
+            pub.close()
+
+
+async def until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+def _churn(steps: int) -> list[bytes]:
+    """Each step stores 32 new blocks and removes the previous step's: the engine ends with 32."""
+    out = []
+    for m in range(steps):
+        events = [stored([m * 32 + i + 1 for i in range(32)], tokens_seed=m)]
+        if m:
+            events.append(removed([(m - 1) * 32 + i + 1 for i in range(32)]))
+        out.append(batch(events))
+    return out
+
+
+async def test_a_hole_in_the_replay_is_asked_for_again_not_skipped(publishers) -> None:
+    """The first replay leaves out seqs 700 and 1,500 (the ROUTER's full send queue): skipping
+    them kept 64 blocks the engine had evicted, on a stream that said it was live."""
+    pub = publishers()
+    pub.buffer = list(enumerate(_churn(2000)))
+    pub.seq = 2000
+    pub.drop = lambda request, seq: request == 0 and seq in (700, 1500)
+    ep = pub.endpoint(18_201)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        assert fleet.index.size(ep.name) == 32
+        assert pub.replays == 2  # asked again from the first hole, which also brought the second
+        assert fleet.counted(fleet.metrics.replays, outcome="hole") == 1
+        assert fleet.counted(fleet.metrics.resets) == 0
+
+
+async def test_a_hole_the_replay_never_fills_starts_the_state_over_after_it(publishers) -> None:
+    pub = publishers()
+    pub.buffer = list(enumerate(_churn(600)))
+    pub.seq = 600
+    pub.drop = lambda request, seq: seq == 300  # every time
+    ep = pub.endpoint(18_202)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        assert fleet.index.size(ep.name) <= 32  # nothing from before the hole is trusted
+        assert pub.replays == 2  # asked again from 300, the answer starts at 301: not there any more
+        assert fleet.counted(fleet.metrics.resets, reason="replay hole") == 1
+
+
+async def test_a_long_replay_lets_the_event_loop_run(publishers) -> None:
+    """10,000 batches of 32 blocks were decoded and applied in one go (a ~0.5 s stall per
+    endpoint per reconnect): another task now runs many times while they are applied."""
+    pub = publishers()
+    pub.buffer = [(m, batch([stored([m * 32 + i + 1 for i in range(32)], m)])) for m in range(10_000)]
+    pub.seq = 10_000
+    ep = pub.endpoint(18_203)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.counted(fleet.metrics.applied) > 0, within_s=20)
+        counting = asyncio.create_task(ticker())
+        ticks_at_start = ticks
+        await until(lambda: fleet.index.live(ep.name), within_s=30)
+        counting.cancel()
+        assert fleet.index.size(ep.name) == 320_000
+        assert ticks - ticks_at_start >= 10
+
+
+async def test_a_port_that_accepts_tcp_but_speaks_no_zeromq_is_not_a_live_stream() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # holds the connection, answers nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ep = Endpoint("http://127.0.0.1:18204", healthy=True)
+    ep.kv_events = KVEventSourceConfig(endpoint=f"tcp://127.0.0.1:{port}")
+    try:
+        async with following(Fleet([ep])) as fleet:
+            await asyncio.sleep(1.5)
+            assert not fleet.index.live(ep.name)
+    finally:
+        server.close()
+
+
+async def test_a_restarted_publisher_wins_over_the_old_ones_backlog(publishers) -> None:
+    pub = publishers()
+    ep = pub.endpoint(18_205)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        for i in range(20_000):  # the old engine's burst, still queued when it dies
+            pub.send(batch([stored([10_000_000 + i], i)]), keep=False)
+        ports = (pub.pub_port, pub.replay_port)
+        pub.close()
+        new = publishers(*ports)
+        await asyncio.sleep(0.5)
+        for i in range(200):
+            new.send(batch([stored([i + 1], 50_000 + i)]))
+        await until(lambda: fleet.index.live(ep.name) and fleet.index.size(ep.name) >= 200)
+        await asyncio.sleep(0.3)
+        held = list(fleet.index._endpoints[ep.name].by_engine)
+        assert sorted(held) == list(range(1, 201))  # the new engine's, none of the old one's
+
+
+async def test_a_bogus_sequence_jump_does_not_freeze_the_stream(publishers) -> None:
+    pub = publishers()
+    ep = pub.endpoint(18_206)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        pub.send(batch([stored([1])]))
+        pub.send(batch([stored([2], 100)]), seq=1 << 62, keep=False)  # a corrupt or hostile frame
+        for i in range(50):
+            pub.send(batch([stored([1000 + i], 200 + i)]), seq=2 + i)
+        await until(lambda: 1049 in fleet.index._endpoints[ep.name].by_engine)
+        assert fleet.index.live(ep.name)
+        assert fleet.counted(fleet.metrics.resets, reason="sequence went back") == 1
+
+
+async def test_removed_endpoints_leave_no_index_entry_and_no_series(publishers) -> None:
+    pubs = [publishers() for _ in range(5)]
+    eps = [p.endpoint(18_210 + i) for i, p in enumerate(pubs)]
+    async with following(Fleet(eps)) as fleet:
+        await until(lambda: all(fleet.index.live(e.name) for e in eps))
+        for p in pubs:
+            p.send(batch([stored([1])]))
+        await until(lambda: all(fleet.index.size(e.name) == 1 for e in eps))
+        for e in eps:
+            fleet.registry.remove(e.url)
+        await asyncio.sleep(1.0)
+        assert not [e.name for e in eps if fleet.index.known(e.name)]
+        names = {e.name for e in eps}
+        assert not [labels for labels in fleet.metrics.live._metrics if labels[0] in names]
+
+
+async def test_an_address_zeromq_refuses_is_retried_at_the_discovery_pace(caplog) -> None:
+    ep = Endpoint("http://127.0.0.1:18220", healthy=True)
+    ep.kv_events = KVEventSourceConfig(endpoint="tcp://gpu node-1:5557")  # a typo ZeroMQ refuses
+    with caplog.at_level(logging.WARNING, logger="gateway.fleet.kv_events"):
+        async with following(Fleet([ep], rediscover_s=1.0)) as fleet:
+            await asyncio.sleep(2.5)
+            assert not fleet.index.live(ep.name)
+    refused = [r for r in caplog.records if "cannot connect" in r.getMessage()]
+    assert 1 <= len(refused) <= 3  # was one every 0.1 s
+
+
+async def test_four_hundred_streams_all_come_up(publishers) -> None:
+    """48 replicas × 8 data-parallel ranks is 384 streams; libzmq's default 1,023 sockets held ~340."""
+    pub = publishers()
+    eps = [pub.endpoint(20_000 + i) for i in range(400)]
+    async with following(Fleet(eps)) as fleet:
+        await until(lambda: all(fleet.index.live(e.name) for e in eps), within_s=30)
