@@ -50,8 +50,9 @@ _DRAIN = 256  # messages decoded per wake-up before yielding to the loop
 _SLICE_S = 0.005  # and at most this long: a batch can hold thousands of blocks (a replay: 10k batches)
 _POLL_MS = 250
 # vLLM's replay ROUTER drops what its send queue (1,000 messages) cannot hold: a hole is asked
-# for again from where it starts, this many times, before the state starts over there
-_REPLAY_TRIES = 3
+# for again from where it starts (each fetch gets at least that far past it: ~10 for a full
+# 10,000-batch buffer), this many fetches at most before the state starts over after it
+_REPLAY_FETCHES = 32
 # a batch this far behind the next one wanted is a new publisher (or the one before was a
 # bogus jump), not one already applied: vLLM's replay buffer holds 10,000 batches
 _RESYNC_SPAN = 100_000
@@ -338,9 +339,9 @@ class _Stream:
         On connect (no ``lost_reason``) the buffer starts where it starts. A hole after the first
         message is asked for again (vLLM's ROUTER drops what its send queue cannot hold, and a
         removal lost there would leave an evicted block indexed); one still missing after
-        ``_REPLAY_TRIES`` fetches starts the state over after it."""
+        ``_REPLAY_FETCHES`` fetches starts the state over after it."""
         first_may_jump = lost_reason is None
-        for tries_left in reversed(range(_REPLAY_TRIES)):
+        for tries_left in reversed(range(_REPLAY_FETCHES)):
             replayed = await self._fetch_replay(start)
             if replayed is None:
                 if until is not None:  # a gap nobody can fill: start over from here

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -29,14 +27,9 @@ from gateway.fleet.kv_events import KVEventSubscriber
 from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.exact import ExactIndex
+from loadtest.harness.kv_replayer import ThreadedPublisher
 
 B = 16  # block size
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stored(hashes: list[int], tokens_seed: int = 0) -> dict:
@@ -55,71 +48,16 @@ def removed(hashes: list[int]) -> dict:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
 
 
-def _seq(seq: int) -> bytes:
-    return seq.to_bytes(8, "big", signed=True)
-
-
 def batch(events: list[dict]) -> bytes:
     return msgspec.msgpack.encode([time.time(), events, None])
 
 
-class Publisher:
-    """A PUB socket and a replay ROUTER (``[ident, b"", b"", seq, payload]``, then seq -1).
-
-    ``drop(seq)`` says, per replay request and seq, whether the ROUTER leaves it out, as vLLM's
-    does once its 1,000-message send queue is full."""
-
-    def __init__(self, pub_port: int | None = None, replay_port: int | None = None) -> None:
-        self.ctx = zmq.Context()
-        self.pub_port, self.replay_port = pub_port or _free_port(), replay_port or _free_port()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
-        self.buffer: list[tuple[int, bytes]] = []
-        self.seq = 0
-        self.replays = 0
-        self.drop: Callable[[int, int], bool] = lambda request, seq: False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not dict(poller.poll(50)):
-                continue
-            ident, _, start = self.router.recv_multipart()
-            request, self.replays = self.replays, self.replays + 1
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self.buffer):
-                if seq >= first and not self.drop(request, seq):
-                    self.router.send_multipart([ident, b"", b"", _seq(seq), payload])
-            self.router.send_multipart([ident, b"", b"", _seq(-1), b""])
-
-    def send(self, payload: bytes, seq: int | None = None, keep: bool = True) -> None:
-        seq = self.seq if seq is None else seq
-        self.seq = seq + 1
-        if keep:
-            self.buffer.append((seq, payload))
-        self.pub.send_multipart([b"", _seq(seq), payload])
-
-    def endpoint(self, port: int) -> Endpoint:
+class Publisher(ThreadedPublisher):
+    def endpoint(self, port: int) -> Endpoint:  # type: ignore[override]
+        """A replica at ``port`` (never asked: the stream is named in its config) publishing here."""
         e = Endpoint(f"http://127.0.0.1:{port}", healthy=True)
-        e.kv_events = KVEventSourceConfig(
-            endpoint=f"tcp://127.0.0.1:{self.pub_port}", replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}"
-        )
+        e.kv_events = KVEventSourceConfig(endpoint=super().endpoint, replay_endpoint=self.replay_endpoint)
         return e
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.router.close(0)
-        self.pub.close(0)
-        self.ctx.term()
 
 
 class Fleet:
@@ -217,6 +155,20 @@ async def test_a_hole_the_replay_never_fills_starts_the_state_over_after_it(publ
         assert fleet.index.size(ep.name) <= 32  # nothing from before the hole is trusted
         assert pub.replays == 2  # asked again from 300, the answer starts at 301: not there any more
         assert fleet.counted(fleet.metrics.resets, reason="replay hole") == 1
+
+
+async def test_a_replay_whose_holes_never_end_is_fetched_32_times_at_most(publishers) -> None:
+    pub = publishers()
+    pub.buffer = list(enumerate(_churn(600)))
+    pub.seq = 600
+    pub.drop = lambda request, seq: seq == 100 + request  # each answer one batch further, then a hole
+    ep = pub.endpoint(18_207)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        assert pub.replays == 32
+        assert fleet.counted(fleet.metrics.replays, outcome="hole") == 31
+        assert fleet.counted(fleet.metrics.resets, reason="replay hole") == 1
+        assert fleet.index.size(ep.name) == 32  # the state after the last hole is the engine's
 
 
 async def test_a_long_replay_lets_the_event_loop_run(publishers) -> None:
