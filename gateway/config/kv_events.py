@@ -90,7 +90,9 @@ class TokenizerConfig(_Strict):
 class ExactPrefixConfig(_Strict):
     discover: bool = Field(True, description="ask each endpoint's GET /kv_event_sources")
     rediscover_s: float = Field(10.0, gt=0, description="retry an endpoint without a stream this often")
-    replay_timeout_s: float = Field(1.0, gt=0)
+    replay_timeout_s: float = Field(
+        1.0, gt=0, description="longest wait for a replay's next frame (not its whole: 10k batches take ~1 s)"
+    )
     stale_after_s: float = Field(
         2.0, gt=0, description="events published longer ago than this when applied: the endpoint is stale"
     )

@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway.config.kv_events import ExactPrefixConfig
 from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.kv_replay import Replay, fetch_replay
 from gateway.fleet.kv_sources import KVEventSource, discover_source, source_from
 from gateway.fleet.kv_wire import DecodeError, KVEventSink, UnknownEvent, decode_ranked_batch, decode_seq
 from gateway.fleet.registry import EndpointRegistry
@@ -339,18 +340,21 @@ class _Stream:
         On connect (no ``lost_reason``) the buffer starts where it starts. A hole after the first
         message is asked for again (vLLM's ROUTER drops what its send queue cannot hold, and a
         removal lost there would leave an evicted block indexed); one still missing after
-        ``_REPLAY_FETCHES`` fetches starts the state over after it."""
+        ``_REPLAY_FETCHES`` fetches starts the state over after it. A replay that went quiet
+        without its end marker may have lost its tail as well: it is asked for again too."""
         first_may_jump = lost_reason is None
         for tries_left in reversed(range(_REPLAY_FETCHES)):
-            replayed = await self._fetch_replay(start)
-            if replayed is None:
+            replay = await self._fetch_replay(start)
+            if replay is None:
                 if until is not None:  # a gap nobody can fill: start over from here
                     self._reset(lost_reason or "gap", until)
                 return
             reason = lost_reason or "replay hole"
-            if not await self._apply_replayed(replayed, first_may_jump, reason, stop_at_hole=tries_left > 0):
+            last = tries_left == 0
+            if await self._apply_replayed(replay.batches, first_may_jump, reason, stop_at_hole=not last):
+                self.metrics.replays.labels(self.name, "hole").inc()
+            elif replay.ended or last:
                 break
-            self.metrics.replays.labels(self.name, "hole").inc()
             assert self.expected is not None
             start, first_may_jump = self.expected, False
         if until is not None and self.expected is not None and self.expected < until:
@@ -396,42 +400,20 @@ class _Stream:
             "kv events: %s lost events (%s); its exact state starts over at seq %d", self.name, reason, seq
         )
 
-    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def _fetch_replay(self, start: int) -> Replay | None:
         address = self.source.replay_endpoint
         if address is None:
             return None
         try:
-            dealer = self.ctx.socket(zmq.DEALER)
-        except zmq.ZMQError as exc:  # the context's socket limit: no replay now, not a dead stream
-            self.metrics.replays.labels(self.name, "failed").inc()
-            log.warning("kv events: %s: no socket to replay from %s: %s", self.name, address, exc)
-            return None
-        dealer.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, bytes]] = []
-        loop = asyncio.get_running_loop()
-        until = loop.time() + _SLICE_S
-        try:
-            dealer.connect(address)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(self.config.replay_timeout_s):
-                while True:
-                    frames = await dealer.recv_multipart()
-                    if len(frames) not in (3, 4):
-                        self._malformed(f"replay: {len(frames)} frames, not 3 or 4")
-                        continue
-                    seq = decode_seq(frames[-2])
-                    if seq == -1:
-                        return out
-                    out.append((seq, frames[-1]))
-                    if loop.time() > until:  # a ready message is had without yielding: 10k of them
-                        await asyncio.sleep(0)
-                        until = loop.time() + _SLICE_S
+            wait_s = self.config.replay_timeout_s
+            replay = await fetch_replay(self.ctx, address, start, wait_s, self._malformed)
         except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
             self.metrics.replays.labels(self.name, "failed").inc()
-            log.warning("kv events: replay from %s failed: %s", address, exc or "timeout")
+            log.warning("kv events: %s: replay from %s failed: %s", self.name, address, exc or "timeout")
             return None
-        finally:
-            dealer.close(0)
+        if not replay.ended:
+            self.metrics.replays.labels(self.name, "unterminated").inc()
+        return replay
 
     def _malformed(self, why: str) -> None:
         self.metrics.decode_errors.labels(self.name).inc()

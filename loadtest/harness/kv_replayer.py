@@ -4,7 +4,8 @@ vLLM serves replays from a thread with a plain ROUTER socket and the default sen
 (1,000 queued messages); a ROUTER drops, silently, what does not fit. This one is the same
 shape: a PUB socket for live batches, a ROUTER answering ``[ident, b"", b"", seq, payload]``
 per buffered batch from the asked ``start``, then seq -1, sent without waiting. ``drop``
-decides per (replay request, seq) to leave a batch out, so tests can place holes exactly.
+decides per (replay request, seq) to leave a batch out (seq -1: the end marker), so tests can
+place holes exactly.
 Being on its own thread, it never shares the subscriber's event loop (the simulator's
 publisher does, which would hide a subscriber that holds the loop).
 """
@@ -69,7 +70,8 @@ class ThreadedPublisher:
             for seq, payload in list(self.buffer):
                 if seq >= first and not self.drop(request, seq):
                     self.router.send_multipart([ident, b"", b"", seq_frame(seq), payload])
-            self.router.send_multipart([ident, b"", b"", seq_frame(-1), b""])
+            if not self.drop(request, -1):  # the end marker too
+                self.router.send_multipart([ident, b"", b"", seq_frame(-1), b""])
 
     def send(self, payload: bytes, seq: int | None = None, keep: bool = True) -> None:
         """Publish a batch (at ``seq``, or the next one); ``keep``: also buffer it for replays."""

@@ -66,7 +66,6 @@ class Fleet:
         self.metrics = KVEventMetrics(CollectorRegistry())
         self.index = ExactIndex(self.metrics)
         self.crashes: list[str] = []
-        config.setdefault("replay_timeout_s", 10.0)
         self.subscriber = KVEventSubscriber(
             self.registry,
             None,  # type: ignore[arg-type]  # no discovery: every endpoint names its stream
@@ -139,8 +138,10 @@ async def test_a_hole_in_the_replay_is_asked_for_again_not_skipped(publishers) -
     async with following(Fleet([ep])) as fleet:
         await until(lambda: fleet.index.live(ep.name))
         assert fleet.index.size(ep.name) == 32
-        assert pub.replays == 2  # asked again from the first hole, which also brought the second
-        assert fleet.counted(fleet.metrics.replays, outcome="hole") == 1
+        # asked again from the first hole, which also brought the second (a loaded host's ROUTER
+        # may drop more of 2,000: more fetches then, the same end state)
+        assert pub.replays >= 2
+        assert fleet.counted(fleet.metrics.replays, outcome="hole") >= 1
         assert fleet.counted(fleet.metrics.resets) == 0
 
 
@@ -171,9 +172,26 @@ async def test_a_replay_whose_holes_never_end_is_fetched_32_times_at_most(publis
         assert fleet.index.size(ep.name) == 32  # the state after the last hole is the engine's
 
 
+async def test_a_replay_whose_end_marker_was_dropped_is_applied_after_a_quiet_spell(publishers) -> None:
+    """vLLM's ROUTER can drop the seq -1 that ends a replay as well: the replay waited for its
+    timeout and was thrown away whole, so the stream went live knowing nothing."""
+    pub = publishers()
+    pub.buffer = list(enumerate(_churn(500)))
+    pub.seq = 500
+    pub.drop = lambda request, seq: request == 0 and (seq == -1 or seq >= 300)  # the tail too
+    ep = pub.endpoint(18_208)
+    async with following(Fleet([ep], replay_timeout_s=0.5)) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        assert fleet.index.size(ep.name) == 32
+        assert pub.replays == 2  # the quiet one, then the rest from where it stopped
+        assert fleet.counted(fleet.metrics.replays, outcome="unterminated") == 1
+        assert fleet.counted(fleet.metrics.resets) == 0
+
+
 async def test_a_long_replay_lets_the_event_loop_run(publishers) -> None:
     """10,000 batches of 32 blocks were decoded and applied in one go (a ~0.5 s stall per
-    endpoint per reconnect): another task now runs many times while they are applied."""
+    endpoint per reconnect): another task now runs many times while they are applied. With the
+    default replay_timeout_s (1 s), which used to bound the whole replay (~1 s of it here)."""
     pub = publishers()
     pub.buffer = [(m, batch([stored([m * 32 + i + 1 for i in range(32)], m)])) for m in range(10_000)]
     pub.seq = 10_000
