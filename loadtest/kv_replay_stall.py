@@ -11,7 +11,7 @@ and any removal a replay loses shows as extra blocks in the index. The gateway's
 that wakes every millisecond: its longest gap while the replay is fetched and applied is the
 stall every request on that event loop would see. Per run: time from subscribing to live,
 the worst gap, the replay fetches and how many stopped at a hole, resets, and the blocks
-indexed against the engine's.
+indexed against the engine's. ``--replay-timeout-s`` is the gateway's setting (default 1 s).
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ def _total(counter: Any, **labels: str) -> float:
     )
 
 
-async def one_run(batches: int, blocks: int) -> dict[str, Any]:
+async def one_run(batches: int, blocks: int, replay_timeout_s: float = 1.0) -> dict[str, Any]:
     pub = ThreadedPublisher()
     pub.buffer, pub.seq = _buffer(batches, blocks), batches
     endpoint = Endpoint("http://127.0.0.1:9", healthy=True)  # never asked: its stream is named
     endpoint.kv_events = KVEventSourceConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
     metrics = KVEventMetrics(CollectorRegistry())
     index = ExactIndex(metrics)
-    config = ExactPrefixConfig(discover=False, replay_timeout_s=60.0)
+    config = ExactPrefixConfig(discover=False, replay_timeout_s=replay_timeout_s)
     subscriber = KVEventSubscriber(EndpointRegistry([endpoint]), None, index, metrics, config)  # type: ignore[arg-type]
     loop = asyncio.get_running_loop()
     worst = 0.0
@@ -95,7 +95,7 @@ async def one_run(batches: int, blocks: int) -> dict[str, Any]:
     ticking = asyncio.create_task(ticker())
     following = asyncio.create_task(subscriber.run())
     try:
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(180):
             while not index.live(endpoint.name):  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
         to_live = time.monotonic() - started
@@ -137,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[2000, 10000])
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--replay-timeout-s", type=float, default=1.0, help="prefix.kv_events.replay_timeout_s")
     p.add_argument("--out", default="bench-results/kv-replay-stall")
     args = p.parse_args(argv)
-    rows = [asyncio.run(one_run(n, args.blocks)) for n in args.batches for _ in range(args.runs)]
+    runs = range(args.runs)
+    rows = [asyncio.run(one_run(n, args.blocks, args.replay_timeout_s)) for n in args.batches for _ in runs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.json").write_text(json.dumps(rows, indent=2))
