@@ -11,6 +11,7 @@ import pytest
 from tests.proxy.hostile.common import STICKY_HEALTH, errors, healthy_after, post, raw
 from tests.proxy.hostile.raw import chat_json, response, sse_event, until_closed
 from tests.proxy.hostile.test_wire_nonsense import good, openai_error
+from tests.support.harness import gateway_metrics, metric_value
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -95,6 +96,37 @@ async def test_prefill_hangs_times_out_and_falls_back(stack, start_gateway, http
     await asyncio.wait_for(closed.wait(), 3)
     await healthy_after(http, gw)
     assert not errors(caplog)
+
+
+async def test_a_prefill_answer_past_16_mib_is_cut_and_falls_back(stack, start_gateway, http, caplog):
+    """A prefill answer is one token and the transfer parameters: one that keeps growing was held
+    whole (review 2026-12-05); past 16 MiB the leg fails and the decode replica serves alone."""
+    block = b"x" * (1 << 20)
+    sent_mib = []
+
+    async def endless(i, reader, writer, body):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            for n in range(200):
+                writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+                await writer.drain()
+                sent_mib.append(n)
+            await asyncio.sleep(30)
+        except ConnectionError:
+            pass
+        return False
+
+    p = await raw(stack, endless)
+    d = await raw(stack, good)
+    gw = await pd_gateway(start_gateway, [p], [d], pd={"prefill_timeout_s": 20})
+    status, body, _ = await post(http, gw)
+    assert status == 200, body
+    assert len(sent_mib) < 100  # cut off, not read to its end
+    assert "kv_transfer_params" not in json.loads(d.bodies[0])
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_pd_prefill_failures_total", kind="too_large") == 1
+    await healthy_after(http, gw)
 
 
 async def test_prefill_hang_is_bounded_by_the_request_deadline(stack, start_gateway, http, caplog):
