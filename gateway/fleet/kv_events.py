@@ -384,8 +384,9 @@ class _Stream:
             first = False
             try:
                 batch = self._decode(payload)
-            except DecodeError as exc:
+            except DecodeError as exc:  # it will not decode on a second fetch either: lost
                 self._malformed(str(exc))
+                self._reset(reason, seq + 1)
                 continue
             self._apply(seq, batch, replayed=True)
             if loop.time() > until:

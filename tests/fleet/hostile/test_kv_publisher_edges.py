@@ -172,6 +172,20 @@ async def test_a_replay_whose_holes_never_end_is_fetched_32_times_at_most(publis
         assert fleet.index.size(ep.name) == 32  # the state after the last hole is the engine's
 
 
+async def test_an_undecodable_batch_in_a_replay_is_lost_once_not_fetched_again(publishers) -> None:
+    pub = publishers()
+    pub.buffer = list(enumerate(_churn(400)))
+    pub.buffer[100] = (100, b"\xc1 not msgpack")
+    pub.seq = 400
+    ep = pub.endpoint(18_209)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        assert pub.replays == 1  # the same bytes would come again
+        assert fleet.counted(fleet.metrics.resets, reason="replay hole") == 1
+        assert fleet.counted(fleet.metrics.decode_errors) == 1
+        assert fleet.index.size(ep.name) == 32
+
+
 async def test_a_replay_whose_end_marker_was_dropped_is_applied_after_a_quiet_spell(publishers) -> None:
     """vLLM's ROUTER can drop the seq -1 that ends a replay as well: the replay waited for its
     timeout and was thrown away whole, so the stream went live knowing nothing."""
