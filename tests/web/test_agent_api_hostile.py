@@ -59,6 +59,23 @@ async def test_retrieve_from_a_replica_that_compresses_is_readable(stack, start_
     assert got.id == created.id
 
 
+async def test_a_stored_response_past_max_response_bytes_is_a_502_not_held_whole(
+    stack, start_gateway, http
+) -> None:
+    """A replica's answer to GET /v1/responses/{id} was read whole, however large (review 2026-12-05)."""
+    replica = await stack.enter_async_context(running_replica())
+    gw = await start_gateway([replica.url], limits={"max_response_bytes": 1 << 20})
+    async with http.post(gw.url + "/v1/responses", json={"model": "tiny", "input": "hi"}) as r:
+        response_id = (await r.json())["id"]
+    async with http.get(f"{gw.url}/v1/responses/{response_id}") as r:
+        assert r.status == 200
+    replica.stored[response_id]["output"] = [{"type": "message", "content": "y" * (2 << 20)}]
+    async with http.get(f"{gw.url}/v1/responses/{response_id}") as r:
+        assert r.status == 502
+        error = (await r.json())["error"]
+    assert "larger than 1048576 bytes" in error["message"], error
+
+
 async def test_pass_through_stream_broken_by_the_replica_ends_cleanly(stack, start_gateway, http):
     replica = await stack.enter_async_context(running_replica())
     gw = await start_gateway([replica.url])
