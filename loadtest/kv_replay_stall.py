@@ -34,7 +34,7 @@ from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.exact import ExactIndex
 from loadtest.harness.kv_replayer import ThreadedPublisher
 
-__all__ = ["main"]
+__all__ = ["counter_total", "main", "one_run"]
 
 BLOCK = 16
 
@@ -61,7 +61,8 @@ def _buffer(batches: int, blocks: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def _total(counter: Any, **labels: str) -> float:
+def counter_total(counter: Any, **labels: str) -> float:
+    """A prometheus_client Counter's total over the label sets that include ``labels``."""
     return sum(
         s.value
         for m in counter.collect()
@@ -110,8 +111,8 @@ async def one_run(batches: int, blocks: int, replay_timeout_s: float = 1.0) -> d
         "to_live_s": round(to_live, 3),
         "worst_loop_gap_ms": round(worst * 1000, 1),
         "fetches": pub.replays,
-        "holes": _total(metrics.replays, outcome="hole"),
-        "resets": _total(metrics.resets),
+        "holes": counter_total(metrics.replays, outcome="hole"),
+        "resets": counter_total(metrics.resets),
         "indexed_blocks": index.size(endpoint.name),
         "engine_blocks": blocks,
     }

@@ -28,6 +28,7 @@ from gateway.fleet.registry import EndpointRegistry
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.exact import ExactIndex
 from loadtest.harness.kv_replayer import ThreadedPublisher
+from loadtest.kv_replay_stall import counter_total
 
 B = 16  # block size
 
@@ -77,12 +78,7 @@ class Fleet:
         )
 
     def counted(self, counter, **labels: str) -> float:
-        return sum(
-            s.value
-            for m in counter.collect()
-            for s in m.samples
-            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        return counter_total(counter, **labels)
 
 
 @contextlib.asynccontextmanager

@@ -42,6 +42,27 @@ def sse_event(text: str) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
+def endless_json(mib: int, sent: list[int]):
+    """A script: a 200 JSON answer, chunked, 1 MiB a chunk for ``mib`` chunks, then silence
+    (never its end); ``sent`` gets each chunk's index once it was taken by the socket."""
+    block = b"x" * (1 << 20)
+
+    async def script(i, reader, writer, body):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            for n in range(mib):
+                writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+                await writer.drain()
+                sent.append(n)
+            await asyncio.sleep(30)
+        except ConnectionError:
+            pass
+        return False
+
+    return script
+
+
 class RawUpstream:
     def __init__(self, script: Script) -> None:
         self.script = script

@@ -15,11 +15,10 @@ import socket
 import time
 
 from tests.proxy.hostile.common import gateway, healthy_after, post, raw
-from tests.proxy.hostile.raw import chat_json, response, sse_event
+from tests.proxy.hostile.raw import chat_json, endless_json, response, sse_event
 from tests.support.harness import gateway_metrics, metric_value
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
-CHUNKED_JSON_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 def _chunk(delta: dict, end: bytes) -> bytes:
@@ -120,22 +119,8 @@ async def test_an_empty_chat_stream_is_resent_not_passed_on_as_a_success(stack, 
 async def test_a_non_streamed_answer_past_max_response_bytes_is_refused(stack, start_gateway, http) -> None:
     """An endless body used to be held whole until first_byte_s (300 s by default): 300 MB here.
     Past ``limits.max_response_bytes`` the upstream is closed and the client gets a 502 at once."""
-    block = b"x" * (1 << 20)
-    sent_mib = []
-
-    async def endless(i, reader, writer, body):
-        writer.write(CHUNKED_JSON_HEAD)
-        try:
-            for n in range(300):
-                writer.write(b"%x\r\n%s\r\n" % (len(block), block))
-                await writer.drain()
-                sent_mib.append(n)
-            await asyncio.sleep(30)
-        except ConnectionError:
-            pass
-        return False
-
-    u = await raw(stack, endless)
+    sent_mib: list[int] = []
+    u = await raw(stack, endless_json(300, sent_mib))
     limits = {"max_response_bytes": 4 << 20}
     gw = await gateway(start_gateway, u.url, timeouts={"first_byte_s": 8}, limits=limits)
     started = time.monotonic()

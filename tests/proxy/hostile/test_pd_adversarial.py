@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.proxy.hostile.common import STICKY_HEALTH, errors, healthy_after, post, raw
-from tests.proxy.hostile.raw import chat_json, response, sse_event, until_closed
+from tests.proxy.hostile.raw import chat_json, endless_json, response, sse_event, until_closed
 from tests.proxy.hostile.test_wire_nonsense import good, openai_error
 from tests.support.harness import gateway_metrics, metric_value
 
@@ -101,23 +101,8 @@ async def test_prefill_hangs_times_out_and_falls_back(stack, start_gateway, http
 async def test_a_prefill_answer_past_16_mib_is_cut_and_falls_back(stack, start_gateway, http, caplog):
     """A prefill answer is one token and the transfer parameters: one that keeps growing was held
     whole (review 2026-12-05); past 16 MiB the leg fails and the decode replica serves alone."""
-    block = b"x" * (1 << 20)
-    sent_mib = []
-
-    async def endless(i, reader, writer, body):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-        writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
-        try:
-            for n in range(200):
-                writer.write(b"%x\r\n%s\r\n" % (len(block), block))
-                await writer.drain()
-                sent_mib.append(n)
-            await asyncio.sleep(30)
-        except ConnectionError:
-            pass
-        return False
-
-    p = await raw(stack, endless)
+    sent_mib: list[int] = []
+    p = await raw(stack, endless_json(200, sent_mib))
     d = await raw(stack, good)
     gw = await pd_gateway(start_gateway, [p], [d], pd={"prefill_timeout_s": 20})
     status, body, _ = await post(http, gw)
