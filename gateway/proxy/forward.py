@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -31,8 +32,9 @@ from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
 from gateway.proxy.hooks import HookSet, Outcome
-from gateway.proxy.limits import extend_idle, wait_limit
+from gateway.proxy.limits import wait_limit
 from gateway.proxy.pd import PDCoordinator, PDLeg
+from gateway.proxy.relay import StreamRelay
 from gateway.proxy.resilience import CircuitBreakers, backoff_s
 from gateway.proxy.sse import (
     SSEEventBuffer,
@@ -340,58 +342,28 @@ class Proxy:
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
-        context = request.context
-        first = True
-        pending_first: bytes | None = first_chunk
-        failure: str | None = None
-        read_chunk = upstream.readany
-        timeouts = attempt.settings.timeouts
-        idle_s = timeouts.idle_s
-        previous = last = b""  # the usage object sits in the last chunks of the stream
+        idle_s = attempt.settings.timeouts.idle_s
         events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
-        writing = False  # the idle limit also bounds a write to a client that reads nothing
+        head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
         try:
-            async with asyncio.timeout_at(wait_limit(attempt.deadline, timeouts.first_byte_s)) as limit:
-                while True:
-                    if pending_first is not None:
-                        chunk, pending_first = pending_first, None
-                    else:
-                        try:
-                            chunk = await read_chunk()
-                        except ConnectionLost as exc:
-                            failure = f"upstream stream broke: {exc}"
-                            break
-                    if not chunk:
-                        chunk = events.flush()  # the upstream's last bytes, however they end
-                        if chunk:
-                            writing = True
-                            await response.write(chunk)
-                            previous, last = last, chunk
-                        break
-                    chunk = events.complete(chunk)
-                    if not chunk:
-                        extend_idle(limit, attempt.deadline, idle_s)
-                        continue
-                    writing = True
-                    await response.write(chunk)  # a client that left raises here, on purpose
-                    writing = False
-                    context.streamed_chunks += chunk.count(b"data:")
-                    previous, last = last, chunk
-                    if first:
-                        first = False
-                        ttft = time.monotonic() - attempt.started
-                        self._metrics.child(self._metrics.ttft, request.model).observe(ttft)
-                        context.ttft_ms = round(ttft * 1000, 2)
-                        attempt.hooks.on_first_byte(request, endpoint)
-                        limit.reschedule(wait_limit(attempt.deadline, idle_s))  # from first byte to idle
-                    else:
-                        extend_idle(limit, attempt.deadline, idle_s)
+            async with asyncio.timeout_at(wait_limit(attempt.deadline, idle_s)):
+                await response.write(head)  # a client that left raises here, on purpose
         except TimeoutError:
-            if writing:  # not the upstream's stall: the client stopped reading, so it is gone
-                if http_request.transport is not None:
-                    http_request.transport.abort()
-                raise ConnectionResetError("the client did not read the stream in time") from None
-            failure = "upstream stalled: no data within the idle or total timeout"
+            raise self._client_stopped_reading(http_request) from None
+        transport = http_request.transport
+        if transport is None:
+            raise ConnectionResetError("the client went away mid-stream")
+        on_first: Callable[[], None] | None = partial(self._first_byte, request, endpoint, attempt)
+        if head:
+            request.context.streamed_chunks += head.count(b"data:")
+            on_first()
+            on_first = None  # else the relay's first whole event is the first byte
+        relay = StreamRelay(upstream, transport, http_request.writer, request.context, events, head, on_first)
+        failure = await relay.run(attempt.deadline, idle_s)
+        previous, last = relay.previous, relay.last
+        if failure is None and (tail := events.flush()):  # the upstream's last bytes, however they end
+            await response.write(tail)
+            previous, last = last, tail
         if failure is not None:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
@@ -402,6 +374,20 @@ class Proxy:
         await response.write_eof()
         self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
+
+    def _first_byte(self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt) -> None:
+        """The stream's first whole event reached the client."""
+        ttft = time.monotonic() - attempt.started
+        self._metrics.child(self._metrics.ttft, request.model).observe(ttft)
+        request.context.ttft_ms = round(ttft * 1000, 2)
+        attempt.hooks.on_first_byte(request, endpoint)
+
+    @staticmethod
+    def _client_stopped_reading(http_request: web.Request) -> ConnectionResetError:
+        """Not the upstream's stall: the client read nothing, so it is gone (and cut off)."""
+        if http_request.transport is not None:
+            http_request.transport.abort()
+        return ConnectionResetError("the client did not read the stream in time")
 
     async def _first_chunk(
         self, request: InferenceRequest, endpoint: Endpoint, upstream: UpstreamResponse, attempt: Attempt

@@ -6,15 +6,30 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from gateway.proxy.upstream import _Connection
 
-__all__ = ["ConnectFailed", "ConnectionLost", "ResponseTooLarge", "UpstreamClientError", "UpstreamResponse"]
+__all__ = [
+    "BodySink",
+    "ConnectFailed",
+    "ConnectionLost",
+    "ResponseTooLarge",
+    "UpstreamClientError",
+    "UpstreamResponse",
+]
 
 _HIGH_WATER = 512 * 1024  # buffered body bytes before we stop reading from the socket
 _LOW_WATER = 64 * 1024
+
+
+class BodySink(Protocol):
+    """Where :meth:`UpstreamResponse.relay_to` sends a body (:mod:`gateway.proxy.relay`)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def end(self, error: ConnectionLost | None) -> None: ...
 
 
 class UpstreamClientError(Exception):
@@ -50,6 +65,7 @@ class UpstreamResponse:
         "_done",
         "_error",
         "_on_end",
+        "_sink",
         "_waiter",
         "headers",
         "status",
@@ -65,6 +81,7 @@ class UpstreamResponse:
         self._done = False
         self._error: ConnectionLost | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: BodySink | None = None
 
     @property
     def content_type(self) -> str:
@@ -73,6 +90,10 @@ class UpstreamResponse:
     # -- fed by the protocol ----------------------------------------------------------
     def _feed(self, data: bytes) -> None:
         if self._done:  # never after its end (the connection is torn down instead)
+            return
+        sink = self._sink
+        if sink is not None:
+            sink.feed(data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -83,6 +104,8 @@ class UpstreamResponse:
     def _finish(self, error: ConnectionLost | None = None) -> None:
         self._done = True
         self._error = error
+        if self._sink is not None:
+            self._sink.end(error)
         self._wake()
 
     def _wake(self) -> None:
@@ -123,6 +146,30 @@ class UpstreamResponse:
             if limit is not None and size > limit:
                 raise ResponseTooLarge(f"the upstream's answer is larger than {limit} bytes")
         return b"".join(parts)
+
+    def relay_to(self, sink: BodySink) -> None:
+        """From now on the body goes to ``sink`` from the socket's callback, chunk by chunk as
+        it arrives, and its end to ``sink.end``: nobody awaits :meth:`readany` per chunk.
+        What arrived before is handed over first."""
+        self._sink = sink
+        if self._chunks:
+            data = b"".join(self._drain())
+            self._buffered = 0
+            sink.feed(data)
+        self._conn.resume_reading()
+        if self._done:
+            sink.end(self._error)
+
+    def unrelay(self) -> None:
+        """Back to :meth:`readany`: nothing more reaches the sink."""
+        self._sink = None
+
+    def pause(self) -> None:
+        """Stop reading from the socket (the body's consumer is behind)."""
+        self._conn.pause_reading()
+
+    def resume(self) -> None:
+        self._conn.resume_reading()
 
     def release(self) -> None:
         """The body was read to the end: keep the connection for the next request if allowed."""
