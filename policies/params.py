@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["Params"]
+
+_short = reprlib.Repr()  # Python 3.11: no keyword arguments
+_short.maxlevel, _short.maxlist, _short.maxdict, _short.maxstring, _short.maxother = 3, 6, 6, 80, 80
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, bounded: a config value can be huge (YAML aliases)."""
+    return _short.repr(value)
 
 
 class Params:
@@ -19,7 +28,7 @@ class Params:
         self._seen.add(key)
         value = self._values.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"parameters.{key}: expected a number, got {value!r}")
+            raise ValueError(f"parameters.{key}: expected a number, got {_shown(value)}")
         if (low is not None and value < low) or (high is not None and value > high):
             raise ValueError(f"parameters.{key}: {value} is outside [{low}, {high}]")
         return float(value)
@@ -30,7 +39,7 @@ class Params:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"parameters.{key}: expected an integer, got {value!r}")
+            raise ValueError(f"parameters.{key}: expected an integer, got {_shown(value)}")
         if low is not None and value < low:
             raise ValueError(f"parameters.{key}: {value} is below {low}")
         return value
@@ -39,28 +48,28 @@ class Params:
         self._seen.add(key)
         value = self._values.get(key, default)
         if not isinstance(value, bool):
-            raise ValueError(f"parameters.{key}: expected true or false, got {value!r}")
+            raise ValueError(f"parameters.{key}: expected true or false, got {_shown(value)}")
         return value
 
     def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
         self._seen.add(key)
         value = self._values.get(key, default)
         if value not in choices:
-            raise ValueError(f"parameters.{key}: {value!r} is not one of {list(choices)}")
+            raise ValueError(f"parameters.{key}: {_shown(value)} is not one of {list(choices)}")
         return value
 
     def string_list(self, key: str, default: list[str]) -> list[str]:
         self._seen.add(key)
         value = self._values.get(key, default)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"parameters.{key}: expected a list of strings, got {value!r}")
+            raise ValueError(f"parameters.{key}: expected a list of strings, got {_shown(value)}")
         return value
 
     def optional_string(self, key: str) -> str | None:
         self._seen.add(key)
         value = self._values.get(key)
         if value is not None and not isinstance(value, str):
-            raise ValueError(f"parameters.{key}: expected a string, got {value!r}")
+            raise ValueError(f"parameters.{key}: expected a string, got {_shown(value)}")
         return value
 
     def done(self) -> None:

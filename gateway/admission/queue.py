@@ -273,6 +273,12 @@ class AdmissionController:
     def _drain(self) -> None:
         """Grant at most one waiter per pass: the next pass sees its load counted."""
         self._drain_scheduled = False
+        if not self._config.enabled:  # turned off by a reload: nobody waits for a limit any more
+            for waiting in (self._critical, *self._standard.values()):
+                for waiter in waiting:
+                    if not waiter.future.done():
+                        waiter.future.set_result(None)
+            return
         for waiter in self._critical:
             if not waiter.future.done():
                 if self.critical_in_flight < self._config.critical_max_concurrency:

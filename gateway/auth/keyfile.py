@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.auth.keys import hash_key
 from gateway.auth.tenant import TENANT_NAME_PATTERN, Tenant, TenantSpec
 from gateway.config import format_validation_error
+from gateway.config.yaml_file import safe_load_bounded
 
 __all__ = ["FileKeyStore", "KeyFileError", "load_keys_file"]
 
@@ -96,7 +97,7 @@ class KeysFile(BaseModel):
 def load_keys_file(path: str | Path) -> dict[str, Tenant]:
     """Parse and validate the file: key hash → its tenant. Raises :class:`KeyFileError`."""
     try:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = safe_load_bounded(Path(path).read_text())
     except OSError as exc:
         raise KeyFileError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: half a UTF-8 character

@@ -30,6 +30,7 @@ from gateway.config.fleet import (
 from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
 from gateway.config.models import ModelsSection, WeightedTarget
 from gateway.config.slo import SloConfig, SloTarget
+from gateway.config.yaml_file import safe_load_bounded
 from gateway.request.types import Priority
 
 __all__ = [
@@ -409,7 +410,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
             tree["endpoints"] = [{"url": u.strip()} for u in raw.split(",") if u.strip()]
             continue
         path = shortcuts.get(suffix) or [part.lower() for part in suffix.split("__")]
-        _set_path(tree, path, yaml.safe_load(raw) if raw else raw)
+        _set_path(tree, path, safe_load_bounded(raw) if raw else raw)
     return tree
 
 
@@ -433,9 +434,9 @@ def load_config(
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+            loaded = safe_load_bounded(Path(path).read_text())
+        except (OSError, ValueError, yaml.YAMLError, RecursionError) as exc:  # not UTF-8; nested too deep
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

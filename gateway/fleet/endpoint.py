@@ -106,6 +106,9 @@ class Endpoint:
     # With several workers: this worker's cells of the shared table (fleet/shared_load.py), where
     # the hooks write their changes too; the three fields above are then the whole gateway's.
     shared_load: LoadCell | None = None
+    # Replaced in place (same URL, new settings: a reload): requests sent to this object end
+    # there, so their counts moved to the successor and their releases follow them.
+    replaced_by: Endpoint | None = None
     created_at: float = field(default_factory=time.monotonic)
     # Short label for metrics, headers and index keys: host:port[/prefix] (computed once; hot
     # path), never with user info in it.
@@ -124,6 +127,13 @@ class Endpoint:
     def owner(self) -> Endpoint:
         """The URL's endpoint: itself, or a rank target's replica (per-URL state lives there)."""
         return self.replica or self
+
+    def latest(self) -> Endpoint:
+        """This endpoint, or what replaced it in place: where its requests' counts now live."""
+        endpoint = self
+        while endpoint.replaced_by is not None:
+            endpoint = endpoint.replaced_by
+        return endpoint
 
     @property
     def models(self) -> frozenset[str]:

@@ -32,12 +32,14 @@ class FleetMembership:
         registry: EndpointRegistry,
         on_added: Callable[[list[Endpoint]], None] | None = None,
         on_removed: Callable[[list[Endpoint]], None] | None = None,
+        on_replaced: Callable[[list[tuple[Endpoint, Endpoint]]], None] | None = None,
     ) -> None:
         self._registry = registry
         self._sources: dict[str, dict[str, EndpointConfig]] = {}
         self._owner: dict[str, tuple[str, EndpointConfig]] = {}  # url → (source, config in force)
         self.on_added = on_added
         self.on_removed = on_removed
+        self.on_replaced = on_replaced  # (previous, successor): same URL, new settings
 
     def seed(self, source: str, endpoints: Iterable[EndpointConfig]) -> None:
         """Record what the registry was built with, without touching it."""
@@ -75,6 +77,7 @@ class FleetMembership:
         self._sources = sources
         removed: list[Endpoint] = []
         added: list[Endpoint] = []
+        replaced: list[tuple[Endpoint, Endpoint]] = []
         for url in [u for u in self._owner if u not in wanted]:
             endpoint = self._registry.remove(url, rebuild=False)
             if endpoint is not None:
@@ -84,12 +87,15 @@ class FleetMembership:
             previous = self._registry.get(url) if url in self._owner else None
             if previous is not None:
                 _carry_over(previous, endpoint)
+                replaced.append((previous, endpoint))
             else:
                 added.append(endpoint)
             self._registry.add(endpoint, rebuild=False)
             self._owner[url] = wanted[url]
         if built or removed:
             self._registry.rebuild()
+        if replaced and self.on_replaced is not None:
+            self.on_replaced(replaced)
         if added or removed:
             log.info(
                 "fleet change from %s: +%s -%s",
@@ -114,4 +120,19 @@ def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
     endpoint.metrics = previous.metrics
     endpoint.draining = previous.draining
     endpoint.ejected = previous.ejected
+    _move_load(previous, endpoint)
     carry_targets(previous, endpoint)
+    for old in previous.rank_targets:
+        for new in endpoint.rank_targets:
+            if new.dp_rank == old.dp_rank:
+                _move_load(old, new)
+
+
+def _move_load(previous: Endpoint, endpoint: Endpoint) -> None:
+    """Requests still running on ``previous`` count on its successor, and end there."""
+    endpoint.in_flight = previous.in_flight
+    endpoint.in_flight_tokens = previous.in_flight_tokens
+    endpoint.pending_prefill_tokens = previous.pending_prefill_tokens
+    endpoint.adapters_in_flight = previous.adapters_in_flight
+    endpoint.learned_capacity = previous.learned_capacity
+    previous.replaced_by = endpoint

@@ -95,7 +95,7 @@ def _bad(message: str) -> BadRequest:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read() or b"{}")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         raise _bad("request body must be valid JSON") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
@@ -134,10 +134,10 @@ def _admin(handler):
                 " else edit the config file (reloaded on SIGHUP in every worker) or use discovery",
                 code="not_supported_with_workers",
             )
-        response = await handler(state, request)
         if change and state.admin_share is not None:
-            state.admin_share.publish()  # the sibling workers apply the same admin state
-        return response
+            async with state.admin_share.change():  # the sibling workers apply the same admin state
+                return await handler(state, request)
+        return await handler(state, request)
 
     return guarded
 

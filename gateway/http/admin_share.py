@@ -6,8 +6,11 @@ connection it came on. After each change that worker sends its whole admin state
 datagram in the gateway's shared directory (0700: the endpoints' API keys travel in it), and
 each sibling applies it as its own admin change (``FleetMembership.apply``, drain flags).
 The whole state rather than the change, so a sibling applies the same thing whatever it
-missed before; two admin changes at the same moment through two workers race (the later
-state sent wins), as two writers of one config file would.
+missed before. Changes are made one at a time across the workers (an exclusive lock on a
+file in the shared directory), each on top of the newest state, which carries a sequence
+number: two admin calls at the same moment through two workers both take effect, and a
+worker never goes back to an older state (without this each of two crossing states replaced
+the other, and the two workers kept different fleets).
 
 The state itself goes in a file of the sender's own (``admin-state-<worker>.json``, written
 whole and renamed into place), the datagram only names it: endpoints with large labels or
@@ -17,14 +20,21 @@ included, then never reached the siblings while the admin API answered 200.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
 import logging
+import os
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.config import EndpointConfig
+from gateway.config import ConfigError, EndpointConfig
+from gateway.errors import Conflict
 from gateway.fleet.membership import ADMIN_SOURCE
+from gateway.fleet.registry import endpoint_from_config
 from gateway.http.state import GatewayState
 from gateway.ops.shared_files import newest, write_whole
 from gateway.ops.sibling_socket import SiblingSocket
@@ -35,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _MAX_NOTICE = 4096
 _STATE_FILE = re.compile(r"admin-state-[0-9]{1,4}\.json")
+_LOCK_WAIT_S = 5.0  # another worker's admin change may hold the lock this long, then a 409
 
 
 class AdminShare:
@@ -43,11 +54,37 @@ class AdminShare:
         self._directory = Path(directory)
         self._file = f"admin-state-{worker}.json"
         self._socket = SiblingSocket(directory, "admin", worker, workers, _MAX_NOTICE)
+        self._applied = 0  # sequence number of the admin state this worker holds
+
+    @asynccontextmanager
+    async def change(self) -> AsyncIterator[None]:
+        """One admin change at a time across the workers, made on the newest admin state and
+        sent to the siblings once made (not if the change raised)."""
+        lock = os.open(self._directory / "admin.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + _LOCK_WAIT_S
+            while True:  # never blocking the loop: the holder may be this very process
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if loop.time() > give_up:
+                        busy = "another admin change is in progress; try again"
+                        raise Conflict(busy, code="admin_busy") from None
+                    await asyncio.sleep(0.005)
+            self.catch_up()
+            yield
+            self.publish()
+        finally:
+            os.close(lock)  # releases the lock
 
     def publish(self) -> None:
         """Send this worker's admin state to every sibling (after a change through the admin API)."""
         state = self._state
+        self._applied += 1
         message = {
+            "seq": self._applied,
             "endpoints": [c.model_dump(mode="json") for c in state.membership.endpoints_of(ADMIN_SOURCE)],
             "draining": sorted(e.url for e in state.registry if e.draining),
         }
@@ -61,11 +98,12 @@ class AdminShare:
         self._socket.listen(self._receive)
 
     def catch_up(self) -> None:
-        """A worker started again after its process died applies the newest admin state any
-        worker wrote (its own dead self's included): the changes it missed are in it whole."""
+        """Apply the newest admin state any worker wrote (its own dead self's included) if it
+        is newer than this worker's: a worker started again after its process died, and every
+        admin change before it is made."""
         state = newest(path for path in self._directory.iterdir() if _STATE_FILE.fullmatch(path.name))
         if state is not None:
-            self._apply_file(state.name, "written before this worker started")
+            self._apply_file(state.name, "written by another worker")
 
     def _receive(self, datagram: bytes) -> None:
         try:
@@ -80,11 +118,13 @@ class AdminShare:
 
     def _apply_file(self, name: str, origin: str) -> None:
         try:
-            configs, draining = _parse(json.loads((self._directory / name).read_text()))
+            seq, configs, draining = _parse(json.loads((self._directory / name).read_text()))
+            if seq <= self._applied:
+                return  # this worker holds that state or a newer one
+            self._apply(_buildable(configs), draining)
+            self._applied = seq
         except Exception as exc:  # a file half-gone or garbage: the worker keeps serving (logged)
             log.error("admin change %s not applied: %s", origin, exc)
-            return
-        self._apply(configs, draining)
 
     def _apply(self, configs: list[EndpointConfig], draining: set[str]) -> None:
         state = self._state
@@ -98,11 +138,28 @@ class AdminShare:
         self._socket.close()
 
 
-def _parse(message: Any) -> tuple[list[EndpointConfig], set[str]]:
+def _parse(message: Any) -> tuple[int, list[EndpointConfig], set[str]]:
     """The whole message checked before any of it is applied (never half a change)."""
     if not isinstance(message, dict) or not isinstance(message.get("endpoints"), list):
         raise ValueError("no endpoint list")
     draining = message.get("draining")
     if not isinstance(draining, list) or not all(isinstance(url, str) for url in draining):
         raise ValueError("no draining list")
-    return [EndpointConfig.model_validate(c) for c in message["endpoints"]], set(draining)
+    seq = message.get("seq", 1)
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise ValueError("no sequence number")
+    return seq, [EndpointConfig.model_validate(c) for c in message["endpoints"]], set(draining)
+
+
+def _buildable(configs: list[EndpointConfig]) -> list[EndpointConfig]:
+    """Those this worker can build: one whose file moved since it was added (a rotated CA, a
+    token file) is left out and logged, never the reason the worker cannot start."""
+    kept = []
+    for config in configs:
+        try:
+            endpoint_from_config(config)
+        except ConfigError as exc:
+            log.error("admin endpoint %s left out: %s", config.url, exc)
+            continue
+        kept.append(config)
+    return kept

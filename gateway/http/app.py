@@ -30,6 +30,7 @@ from gateway.fleet.registry import EndpointRegistry, endpoint_from_config
 from gateway.http.access_log import AccessLog
 from gateway.http.admin import add_admin_routes
 from gateway.http.exact_wiring import attach_exact_prefix, kv_event_subscriber
+from gateway.http.fleet_events import FleetEvents
 from gateway.http.handlers import add_routes
 from gateway.http.middleware import error_middleware
 from gateway.http.plugins import default_registry
@@ -289,49 +290,21 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     app[_SESSION] = session
-    forget_tasks: set[asyncio.Task[None]] = set()
-
-    def forget(endpoint: Endpoint) -> None:
-        for each in (endpoint, *endpoint.rank_targets):  # a data-parallel replica: every rank's state
-            task = asyncio.get_running_loop().create_task(state.prefix.forget(each))
-            forget_tasks.add(task)
-            task.add_done_callback(forget_tasks.discard)
-
-    def on_removed(endpoints: list[Endpoint]) -> None:
-        for endpoint in endpoints:
-            forget(endpoint)
-            state.breakers.forget(endpoint.url)
-            for each in (endpoint, *endpoint.rank_targets):  # its series would be exported forever
-                state.metrics.forget_endpoint(each.name)
-            if state.plugin_context.latency is not None:
-                state.plugin_context.latency.forget(endpoint.name)
-            client.remove(endpoint.url)  # idle connections close now, busy ones when done
-
-    probe_tasks: set[asyncio.Task[None]] = set()
-
-    def on_added(endpoints: list[Endpoint]) -> None:
-        task = asyncio.get_running_loop().create_task(health.check(endpoints))
-        probe_tasks.add(task)
-        task.add_done_callback(probe_tasks.discard)
-
-    def on_health_change(endpoint: Endpoint, healthy: bool) -> None:
-        if not healthy:
-            forget(endpoint)
-            state.breakers.abort_waits(endpoint, "ejected")  # re-send what still waits on it
-
-    state.health.on_change = on_health_change
     health = HealthChecker(state.registry, state.health, session, state.config.health)
-    app[_HEALTH] = health
-    app[_FORGET] = forget
-    state.probe = health.check
-    state.health_checker = health
-    state.membership.on_removed = on_removed
-    state.membership.on_added = on_added
     client = UpstreamClient(
         connect_timeout_s=state.config.timeouts.connect_s,
         limit_per_endpoint=limits.upstream_connections_per_endpoint,
         ssl_context_for=lambda url: e.ssl_context if (e := state.registry.get(url)) is not None else None,
     )
+    events = FleetEvents(state, client, health)
+    state.health.on_change = events.on_health_change
+    app[_HEALTH] = health
+    app[_FORGET] = events.forget
+    state.probe = health.check
+    state.health_checker = health
+    state.membership.on_removed = events.on_removed
+    state.membership.on_added = events.on_added
+    state.membership.on_replaced = events.on_replaced
     state.plugin_context.saturation.pool_waiting = pool_waiting = lambda e: client.waiting(e.url)
     state.metrics.watch_pool_waiting(pool_waiting)
     state.proxy = Proxy(
@@ -340,11 +313,10 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         state.metrics,
         state.breakers,
         PDCoordinator(client, state.config.pd, state.metrics),
+        after_request=events.after_request,
     )
     yield
-    for task in probe_tasks:  # a new replica's first probe can take the whole health timeout:
-        task.cancel()  # a stop does not wait for it
-    await asyncio.gather(*forget_tasks, *probe_tasks, return_exceptions=True)
+    await events.close()
     await client.close()
     await session.close()
 

@@ -27,7 +27,7 @@ from typing import Any
 from gateway.auth.keyfile import KeyFileError, load_keys_file
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.fleet.membership import CONFIG_SOURCE
-from gateway.fleet.registry import upstream_auth_header
+from gateway.fleet.registry import endpoint_from_config
 from gateway.http.app import parse_options, proxy_settings
 from gateway.http.routing import build_routing
 from gateway.http.state import GatewayState
@@ -70,8 +70,8 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
     routing = build_routing(
         new, state.plugin_registry, state.plugin_context, state.breakers, state.health.mark_failed
     )
-    for endpoint in new.endpoints:
-        upstream_auth_header(endpoint)  # an unreadable token file rejects the whole reload
+    for endpoint in new.endpoints:  # an unreadable token or CA file rejects the whole reload
+        endpoint_from_config(endpoint)
     if state.auth is not None and new.auth.backend == "file" and new.auth.keys_file:
         try:
             load_keys_file(new.auth.keys_file)  # checked now; applied with everything else below
@@ -80,7 +80,6 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
     if not new.endpoints and not new.discovery.kubernetes and not new.discovery.dns:
         raise ConfigError("endpoints: a reload may not remove every endpoint")
 
-    state.routing = routing
     current = state.membership.endpoints_of(CONFIG_SOURCE)
     joining = [e for e in new.endpoints if e not in current]
     if joining:
@@ -88,6 +87,7 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
         if state.probe is not None:
             await state.probe([e for c in joining if (e := state.registry.get(c.url)) is not None])
     state.membership.apply(CONFIG_SOURCE, new.endpoints)
+    state.routing = routing
     state.admission.reconfigure(new.admission)
     if state.plugin_context.latency is not None:
         slo = new.admission.slo
@@ -177,6 +177,9 @@ class ConfigReloader:
         except ConfigError as exc:
             result = "rejected"
             log.error("config reload: rejected %s, keeping the running config: %s", self._path, exc)
+        except Exception:  # anything else (a plugin failing oddly): counted, never a silent task death
+            result = "rejected"
+            log.exception("config reload: rejected %s, keeping the running config", self._path)
         metrics.config_reloads.labels(result).inc()
         return result
 

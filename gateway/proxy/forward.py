@@ -79,8 +79,11 @@ class Proxy:
         metrics: GatewayMetrics,
         breakers: CircuitBreakers,
         pd: PDCoordinator,
+        after_request: Callable[[Endpoint], None] | None = None,
     ) -> None:
+        """``after_request(endpoint)``: each attempt's end, once its hooks have run."""
         self._client = client
+        self._after_request = after_request
         self.settings = settings
         self._metrics = metrics
         self._breakers = breakers
@@ -233,6 +236,8 @@ class Proxy:
                 else:
                     upstream.close()
             hooks.on_done(request, endpoint, Outcome(ok, verdict))
+            if self._after_request is not None:
+                self._after_request(endpoint)
 
     async def _open(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, body: bytes

@@ -151,10 +151,12 @@ class InFlightHook(RequestHooks):
             counts[request.model] = counts.get(request.model, 0) + 1
 
     def on_done(self, request: InferenceRequest, endpoint: Endpoint, outcome: Outcome) -> None:
+        if endpoint.shared_load is not None:  # the cell counted at send (a successor shares it)
+            endpoint.shared_load.add(-1, -request.est_prompt_tokens)
+        if endpoint.replaced_by is not None:  # a reload replaced it meanwhile: its counts moved
+            endpoint = endpoint.latest()
         endpoint.in_flight -= 1
         endpoint.in_flight_tokens -= request.est_prompt_tokens
-        if endpoint.shared_load is not None:
-            endpoint.shared_load.add(-1, -request.est_prompt_tokens)
         counts = endpoint.adapters_in_flight
         if request.model in counts:
             if counts[request.model] > 1:
@@ -208,9 +210,10 @@ class PrefixHook(RequestHooks):
         state = request.context.prefix
         pending = state.pending.pop(endpoint, None) if state is not None else None
         if pending is not None:
-            endpoint.pending_prefill_tokens = max(0.0, endpoint.pending_prefill_tokens - pending)
             if endpoint.shared_load is not None:
                 endpoint.shared_load.add_pending(-pending)
+            endpoint = endpoint.latest()  # replaced in place by a reload meanwhile: counts moved
+            endpoint.pending_prefill_tokens = max(0.0, endpoint.pending_prefill_tokens - pending)
 
 
 class SessionHook(RequestHooks):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -63,6 +64,13 @@ async def spawn_gateway(
             await proc.stop()
             raise
     return proc
+
+
+async def spawn_admin_gateway(endpoint: str, admin_key: str, log_dir: Path) -> ManagedProcess:
+    """``serve --workers 2`` in front of ``endpoint``, its admin API open to ``admin_key``."""
+    config = log_dir / "gw.yaml"
+    config.write_text(f"auth:\n  admin_key_sha256: {hashlib.sha256(admin_key.encode()).hexdigest()}\n")
+    return await spawn_gateway([endpoint], ["--workers", "2", "--config", str(config)], log_dir)
 
 
 @contextlib.asynccontextmanager

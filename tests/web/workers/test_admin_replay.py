@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from loadtest.harness.ports import free_ports
-from tests.support.workers import by_worker, spawn_gateway
+from tests.support.workers import by_worker, spawn_admin_gateway
 
 KEY = "workers-admin-key"
 ADMIN = {"authorization": f"Bearer {KEY}"}
@@ -20,9 +19,7 @@ async def _rows(session, url: str) -> dict[str, dict]:
 
 async def test_admin_changes_still_reach_the_sibling_when_the_admin_state_is_large(start_sim, tmp_path):
     sim = await start_sim(model="m")
-    config = tmp_path / "gw.yaml"
-    config.write_text(f"auth:\n  admin_key_sha256: {hashlib.sha256(KEY.encode()).hexdigest()}\n")
-    gw = await spawn_gateway([sim.url], ["--workers", "2", "--config", str(config)], tmp_path)
+    gw = await spawn_admin_gateway(sim.url, KEY, tmp_path)
     try:
         async with by_worker(gw.url) as found:
             first, second = (sessions[0] for sessions in found.values())

@@ -1,0 +1,79 @@
+"""What the gateway does when endpoints join, leave, are replaced in place or change health.
+
+Wired to :class:`~gateway.fleet.membership.FleetMembership` and the health state by
+:mod:`gateway.http.app`. Leaving means forgetting: the prefix index's blocks, the breaker,
+every ``endpoint=`` series, the latency model and the connection pool, or a removed
+replica's state would be kept (and exported) for the life of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.health import HealthChecker
+from gateway.http.state import GatewayState
+from gateway.proxy.upstream import UpstreamClient
+
+__all__ = ["FleetEvents"]
+
+
+class FleetEvents:
+    def __init__(self, state: GatewayState, client: UpstreamClient, health: HealthChecker) -> None:
+        self._state = state
+        self._client = client
+        self._health = health
+        self._forget_tasks: set[asyncio.Task[None]] = set()
+        self._probe_tasks: set[asyncio.Task[None]] = set()
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """Its cached blocks are gone (a restart, down): drop them from the prefix index."""
+        for each in (endpoint, *endpoint.rank_targets):  # a data-parallel replica: every rank's state
+            task = asyncio.get_running_loop().create_task(self._state.prefix.forget(each))
+            self._forget_tasks.add(task)
+            task.add_done_callback(self._forget_tasks.discard)
+
+    def on_removed(self, endpoints: list[Endpoint]) -> None:
+        state = self._state
+        for endpoint in endpoints:
+            self.forget(endpoint)
+            state.breakers.forget(endpoint.url)
+            self.forget_series(endpoint)
+            self._client.remove(endpoint.url)  # idle connections close now, busy ones when done
+
+    def forget_series(self, endpoint: Endpoint) -> None:
+        """Its ``endpoint=`` series and latency model (exported forever otherwise)."""
+        state = self._state
+        for each in (endpoint, *endpoint.rank_targets):
+            state.metrics.forget_endpoint(each.name)
+        if state.plugin_context.latency is not None:
+            state.plugin_context.latency.forget(endpoint.name)
+
+    def after_request(self, endpoint: Endpoint) -> None:
+        """A request ended. Sent to an endpoint removed since, its outcome re-created the series
+        that the removal forgot: they go again once the last such request is done."""
+        owner = endpoint.owner
+        if self._state.registry.get(owner.url) is owner.latest():
+            return  # still in the fleet (the common case)
+        if all(each.in_flight <= 0 for each in (owner, *owner.rank_targets)):
+            self.forget_series(owner)
+
+    def on_replaced(self, pairs: list[tuple[Endpoint, Endpoint]]) -> None:
+        """Same URL, new settings: new connections use them (a rotated CA, a new token)."""
+        for previous, _ in pairs:
+            self._client.remove(previous.url)  # idle connections close now, busy ones when done
+
+    def on_added(self, endpoints: list[Endpoint]) -> None:
+        task = asyncio.get_running_loop().create_task(self._health.check(endpoints))
+        self._probe_tasks.add(task)
+        task.add_done_callback(self._probe_tasks.discard)
+
+    def on_health_change(self, endpoint: Endpoint, healthy: bool) -> None:
+        if not healthy:
+            self.forget(endpoint)
+            self._state.breakers.abort_waits(endpoint, "ejected")  # re-send what still waits on it
+
+    async def close(self) -> None:
+        for task in self._probe_tasks:  # a new replica's first probe can take the whole health
+            task.cancel()  # timeout: a stop does not wait for it
+        await asyncio.gather(*self._forget_tasks, *self._probe_tasks, return_exceptions=True)

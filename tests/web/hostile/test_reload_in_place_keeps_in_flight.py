@@ -1,0 +1,64 @@
+"""A reload that changes an endpoint's settings in place (same URL: a label, an API key) keeps
+counting the requests running on it, and they are released from the new object when they end
+(found by review, 2026-12-05: the count fell to 0 and a replica at its concurrency cap took
+more)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.config import EndpointConfig
+from gateway.http.reload import apply_config
+from tests.support.harness import chat_body, debug_endpoints, wait_until
+
+
+async def _stream(http, gw) -> tuple[int, str]:
+    async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+        return resp.status, (await resp.read()).decode()
+
+
+async def test_in_flight_survives_an_in_place_endpoint_change(start_upstream, start_gateway, http):
+    upstream = await start_upstream()
+    gw = await start_gateway(
+        [{"url": upstream.url, "labels": {"rev": "1"}}],
+        admission={"endpoint_max_concurrency": 2, "queue_timeout_s": 5.0},
+    )
+    state = gw.state
+    upstream.mode = "gated"
+    streams = [asyncio.create_task(_stream(http, gw)) for _ in range(2)]
+
+    async def two_running() -> bool:
+        return (await debug_endpoints(http, gw))[upstream.url]["in_flight"] == 2
+
+    await wait_until(two_running, 2.0, "two streams in flight")
+    sent_before = len(upstream.requests)
+
+    # Same replica, one label changed (an api_key rotation does the same).
+    changed = EndpointConfig(url=upstream.url, labels={"rev": "2"})
+    await apply_config(state, state.config.model_copy(update={"endpoints": [changed]}))
+    try:
+        row = (await debug_endpoints(http, gw))[upstream.url]
+        assert row["in_flight"] == 2, (
+            f"two streams still run on the replica, /debug/endpoints says {row['in_flight']}"
+        )
+        # The replica is at its cap of 2: a third request must wait in the gateway's queue.
+        third = asyncio.create_task(_stream(http, gw))
+        await asyncio.sleep(0.3)
+        assert len(upstream.requests) == sent_before, (
+            "a third request was sent past endpoint_max_concurrency: 2"
+        )
+        upstream.gate.set()
+        assert [status for status, _ in await asyncio.gather(*streams, third)] == [200, 200, 200]
+
+        async def all_released() -> bool:
+            return (await debug_endpoints(http, gw))[upstream.url]["in_flight"] == 0
+
+        await wait_until(all_released, 2.0, "the streams released from the replaced endpoint")
+        replaced = state.registry.get(upstream.url)
+        assert replaced.in_flight == 0 and replaced.in_flight_tokens == 0
+        assert replaced.pending_prefill_tokens == 0
+    finally:
+        upstream.gate.set()
+        await asyncio.gather(*streams, return_exceptions=True)
+        if "third" in locals():
+            await asyncio.gather(third, return_exceptions=True)
