@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, UpstreamTimeout
 from gateway.fleet.dp import RANK_HEADER, other_servers_first
@@ -345,6 +345,8 @@ class Proxy:
         headers["content-type"] = upstream.headers.get("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
+        if http_request.version < HttpVersion11:  # no chunking: only the close can end the body
+            response.force_close()
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         idle_s = attempt.settings.timeouts.idle_s
@@ -366,17 +368,21 @@ class Proxy:
         relay = StreamRelay(upstream, transport, http_request.writer, request.context, events, head, on_first)
         failure = await relay.run(attempt.deadline, idle_s)
         previous, last = relay.previous, relay.last
-        if failure is None and (tail := events.flush()):  # the upstream's last bytes, however they end
-            await response.write(tail)
-            previous, last = last, tail
-        if failure is not None:
-            log.warning("request %s: %s", request.request_id, failure)
-            self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
-            mid_event = bool(last) and not ends_event(last)
-            await response.write(error_event(failure, mid_event=mid_event, api=request.api))
-        else:
-            self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
-        await response.write_eof()
+        try:
+            async with asyncio.timeout(idle_s):  # the closing writes wait on the client: bounded too
+                if failure is None and (tail := events.flush()):  # the upstream's last bytes
+                    await response.write(tail)
+                    previous, last = last, tail
+                if failure is not None:
+                    log.warning("request %s: %s", request.request_id, failure)
+                    self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
+                    mid_event = bool(last) and not ends_event(last)
+                    await response.write(error_event(failure, mid_event=mid_event, api=request.api))
+                else:
+                    self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
+                await response.write_eof()
+        except TimeoutError:
+            raise self._client_stopped_reading(http_request) from None
         self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
 

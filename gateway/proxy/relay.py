@@ -136,11 +136,11 @@ class StreamRelay:
             while True:
                 if self._client_gone:
                     raise ConnectionResetError("the client went away mid-stream")
-                if self._ended:
-                    return None if self._error is None else f"upstream stream broke: {self._error}"
-                if self._blocked:
+                if self._blocked:  # first: the end may have come in the read that filled the client
                     await self._wait_for_client(deadline, idle_s)
                     continue
+                if self._ended:
+                    return None if self._error is None else f"upstream stream broke: {self._error}"
                 self._waiter = loop.create_future()
                 try:
                     async with asyncio.timeout_at(min(self.last_data + idle_s, deadline)):
