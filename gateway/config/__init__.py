@@ -71,12 +71,12 @@ class ServerConfig(_Strict):
         1024, ge=1, le=1 << 20, description="workers > 1: endpoints whose load the workers share"
     )
     worker_timeout_s: float = Field(
-        30.0,
-        ge=0,
-        description="workers > 1: a worker whose event loop has not run this long is killed and"
-        " started again (0: never)",
+        30.0, ge=0, description="workers > 1: a worker whose loop has not run this long is killed (0: never)"
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    max_form_body_bytes: int = Field(
+        26 * 1024 * 1024, gt=0, description="the audio routes' multipart bodies (OpenAI takes 25 MB files)"
+    )
     shutdown_timeout_s: float = Field(30.0, ge=0)
     access_log: Literal["off", "json"] = Field("off", description="json: one JSON line per request")
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header field")

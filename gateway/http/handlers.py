@@ -38,7 +38,10 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
         default_model = None
         if api in _MODEL_OPTIONAL and len(models := state.registry.healthy_models()) == 1:
             default_model = models[0]
-        raw = await http_request.read()
+        body = http_request
+        if api in FORM_APIS:  # an audio file may be larger than a JSON body is allowed to be
+            body = http_request.clone(client_max_size=state.config.server.max_form_body_bytes)
+        raw = await body.read()
         arrived = time.monotonic()  # the objectives' deadlines run from here
         form = parse_form(raw, http_request.headers.get("content-type", "")) if api in FORM_APIS else None
         request = parse_request(

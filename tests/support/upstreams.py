@@ -116,7 +116,7 @@ class Upstream:
                 app.router.add_post(path, self._inference)
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # audio files up to 25 MB
         self._add_routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()

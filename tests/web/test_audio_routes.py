@@ -103,3 +103,29 @@ def test_form_encode_changes_fields_and_keeps_files():
     again = parse_form(form.encode({"model": "new", "stream": True}), form.content_type)
     assert again.fields() == {"model": "new", "stream": True}
     assert [p.data for p in again.parts if p.is_file] == [AUDIO]
+
+
+async def test_a_25_mb_audio_file_passes_where_a_json_body_that_large_is_refused(
+    start_upstream, start_gateway, openai_client, http
+):
+    """OpenAI takes audio files up to 25 MB; ``server.max_body_bytes`` (16 MiB) bounds JSON bodies,
+    ``server.max_form_body_bytes`` (26 MiB) the audio routes' multipart ones."""
+    whisper = await start_upstream(models=("whisper",))
+    gw = await start_gateway([whisper.url])
+    big = AUDIO + bytes(25_000_000 - len(AUDIO))
+    text = await openai_client(gw).audio.transcriptions.create(
+        model="whisper", file=("long.wav", big, "audio/wav")
+    )
+    assert text.text == "hello from the upstream"
+    assert [p.data for p in _form(whisper.requests[-1]).parts if p.is_file] == [big]
+    with pytest.raises(openai.APIStatusError) as refused:
+        await openai_client(gw).audio.transcriptions.create(
+            model="whisper", file=("huge.wav", bytes(27 * 1024 * 1024), "audio/wav")
+        )
+    assert refused.value.status_code == 413
+    assert refused.value.body["code"] == "request_too_large"
+    padding = "x" * (17 * 1024 * 1024)
+    async with http.post(
+        gw.url + "/v1/chat/completions", json={"model": "whisper", "messages": [], "pad": padding}
+    ) as resp:
+        assert resp.status == 413
