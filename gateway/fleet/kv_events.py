@@ -42,6 +42,7 @@ from gateway.fleet.registry import EndpointRegistry
 from gateway.fleet.zmq_context import OwnedContext
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.ops.tasks import supervise
+from gateway.ops.time_slice import TimeSlice
 
 __all__ = ["KVEventSource", "KVEventSubscriber", "discover_source", "source_from"]
 
@@ -253,22 +254,18 @@ class _Stream:
 
     # -- messages ---------------------------------------------------------------------------
     async def _discard(self, sub: zmq.asyncio.Socket) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + _SLICE_S
+        time_slice = TimeSlice(_SLICE_S)
         for _ in range(1_000_000):  # bounded by the socket's receive limit (100,000)
             try:
                 await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if loop.time() > until:
-                await asyncio.sleep(0)
-                until = loop.time() + _SLICE_S
+            await time_slice.pause()
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + _SLICE_S
+        time_slice = TimeSlice(_SLICE_S)
         for _ in range(_DRAIN):
-            if loop.time() > until:
+            if time_slice.spent():
                 break
             try:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
@@ -367,8 +364,7 @@ class _Stream:
         """Apply a replay in order, yielding to the loop every ``_SLICE_S``; True if it stopped at
         a hole to ask for it again. A first message past the one wanted is where the buffer now
         starts: accepted on connect, else the state starts over there."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + _SLICE_S
+        time_slice = TimeSlice(_SLICE_S)
         first = True
         for seq, payload in replayed:
             assert self.expected is not None
@@ -389,9 +385,7 @@ class _Stream:
                 self._reset(reason, seq + 1)
                 continue
             self._apply(seq, batch, replayed=True)
-            if loop.time() > until:
-                await asyncio.sleep(0)
-                until = loop.time() + _SLICE_S
+            await time_slice.pause()
         return False
 
     def _reset(self, reason: str, seq: int) -> None:

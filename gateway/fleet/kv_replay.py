@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.fleet.kv_wire import decode_seq
+from gateway.ops.time_slice import TimeSlice
 
 __all__ = ["Replay", "fetch_replay"]
 
@@ -39,8 +40,7 @@ async def fetch_replay(
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     out: list[tuple[int, bytes]] = []
-    loop = asyncio.get_running_loop()
-    until = loop.time() + _SLICE_S
+    time_slice = TimeSlice(_SLICE_S)
     try:
         dealer.connect(address)
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -62,9 +62,7 @@ async def fetch_replay(
             if seq == -1:
                 return Replay(out, ended=True)
             out.append((seq, frames[-1]))
-            if loop.time() > until:
-                await asyncio.sleep(0)
-                until = loop.time() + _SLICE_S
+            await time_slice.pause()
         return Replay(out, ended=False)
     finally:
         dealer.close(0)
