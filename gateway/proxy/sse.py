@@ -230,9 +230,14 @@ def _only_role(buffer: bytes) -> bool:
     """True while every complete SSE event so far is a role-only chat delta (nothing to show yet)."""
     # CRLF framing too (sse-starlette's default separator): split on LF alone, such a stream
     # never showed a complete event and was held until 16 KB or its end
-    *events, _incomplete_tail = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-    for event in events:
-        event = event.strip()
+    if b"\r\n" in buffer:
+        buffer = buffer.replace(b"\r\n", b"\n")
+    start = 0
+    # event by event, stopping at the first that shows something: a first chunk often holds
+    # the whole answer, and splitting all of it was the larger part of this check's cost
+    while (end := buffer.find(b"\n\n", start)) != -1:
+        event = buffer[start:end].strip()
+        start = end + 2
         if not event.startswith(b"data:"):
             return False
         try:
