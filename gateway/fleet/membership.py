@@ -10,11 +10,12 @@ scheduling: requests already sent hold their own reference to it and finish.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from gateway.config import EndpointConfig
 from gateway.fleet.dp import carry_targets
-from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.endpoint import Endpoint, public_url
 from gateway.fleet.registry import EndpointRegistry, endpoint_from_config
 
 __all__ = ["ADMIN_SOURCE", "CONFIG_SOURCE", "FleetMembership"]
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 CONFIG_SOURCE = "config"
 ADMIN_SOURCE = "admin"
 _PRECEDENCE = {CONFIG_SOURCE: 0, ADMIN_SOURCE: 1}
+# A draining endpoint that leaves (a readiness blip, a DNS record missing for a round) comes back
+# draining within this long; later, its address may be another replica's.
+_DRAIN_MEMORY_S = 900.0
 
 
 class FleetMembership:
@@ -40,6 +44,8 @@ class FleetMembership:
         self.on_added = on_added
         self.on_removed = on_removed
         self.on_replaced = on_replaced  # (previous, successor): same URL, new settings
+        self._left_draining: dict[str, float] = {}  # URL → when it left the fleet while draining
+        self._shadowed: set[str] = set()  # URLs left out as another spelling of a replica (logged once)
 
     def seed(self, source: str, endpoints: Iterable[EndpointConfig]) -> None:
         """Record what the registry was built with, without touching it."""
@@ -65,9 +71,15 @@ class FleetMembership:
         """
         sources = {**self._sources, source: {e.url: e for e in endpoints}}
         wanted: dict[str, tuple[str, EndpointConfig]] = {}
+        replicas: dict[str, str] = {}  # the URL without user info → the URL that names it first
         for name in sorted(sources, key=lambda s: (_PRECEDENCE.get(s, 2), s)):
             for url, cfg in sources[name].items():
-                wanted.setdefault(url, (name, cfg))
+                first = replicas.setdefault(public_url(url).rstrip("/"), url)
+                if first == url:
+                    wanted.setdefault(url, (name, cfg))
+                elif url not in self._shadowed:  # the same replica (config with credentials, say)
+                    self._shadowed.add(url)
+                    log.warning("%s: %s is %s again; the first source wins", name, public_url(url), first)
         built = {
             url: endpoint_from_config(cfg)
             for url, (_, cfg) in wanted.items()
@@ -75,13 +87,18 @@ class FleetMembership:
         }
 
         self._sources = sources
+        self._shadowed &= {url for urls in sources.values() for url in urls}  # logged again if back
         removed: list[Endpoint] = []
         added: list[Endpoint] = []
         replaced: list[tuple[Endpoint, Endpoint]] = []
+        now = time.monotonic()
+        self._left_draining = {u: t for u, t in self._left_draining.items() if now - t < _DRAIN_MEMORY_S}
         for url in [u for u in self._owner if u not in wanted]:
             endpoint = self._registry.remove(url, rebuild=False)
             if endpoint is not None:
                 removed.append(endpoint)
+                if endpoint.draining:  # an admin drain outlives a blip of its source
+                    self._left_draining[url] = now
             del self._owner[url]
         for url, endpoint in built.items():
             previous = self._registry.get(url) if url in self._owner else None
@@ -89,9 +106,10 @@ class FleetMembership:
                 _carry_over(previous, endpoint)
                 replaced.append((previous, endpoint))
             else:
+                endpoint.draining = self._left_draining.pop(url, None) is not None
                 added.append(endpoint)
             self._registry.add(endpoint, rebuild=False)
-            self._owner[url] = wanted[url]
+        self._owner.update(wanted)  # the winning source too (one that names it alike may take over)
         if built or removed:
             self._registry.rebuild()
         if replaced and self.on_replaced is not None:

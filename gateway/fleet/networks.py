@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from gateway.config import DiscoveryConfig
 from gateway.redis_client import redis_ports
+
+# What inet_aton (and so getaddrinfo) reads as an IPv4 address besides the dotted quad:
+# one to four parts, each decimal, octal (leading 0) or hexadecimal (0x).
+_INET_ATON = re.compile(r"(?:0[xX][0-9a-fA-F]*|[0-9]+)(?:\.(?:0[xX][0-9a-fA-F]*|[0-9]+)){0,3}\.?")
 
 __all__ = ["EndpointNetworks"]
 
@@ -74,6 +79,8 @@ class EndpointNetworks:
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
+            if _INET_ATON.fullmatch(host):  # '2852039166', '0xa9fea9fe', '169.254.43518': what
+                return f"{host!r} is an address in a form only the C resolver reads"  # it reads as IPv4
             return (
                 "a host name cannot be checked against discovery.allowed_networks" if self._allowed else None
             )

@@ -245,7 +245,8 @@ def build_app(
     if config.discovery.kubernetes is not None or config.discovery.dns:
         from gateway.fleet.discovery import build_sources
 
-        app_sources = build_sources(config.discovery)  # ConfigError now, not at the first watch
+        redis = (config.prefix.redis_url, config.sessions.redis_url, config.auth.redis_url)
+        app_sources = build_sources(config.discovery, redis)  # ConfigError now, not at the first watch
     else:
         app_sources = []
     if config.auth.enabled:
@@ -362,6 +363,7 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
         runs["kv-events"] = kv_events.run
     apply = _apply_discovered(state)
     for source in app[_DISCOVERY]:
+        source.on_failure = state.metrics.discovery_failures.labels(source.name).inc
         runs[f"discovery-{source.name}"] = functools.partial(source.run, apply)
     restarts = state.metrics.task_restarts
     tasks = [

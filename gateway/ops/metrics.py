@@ -362,11 +362,12 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
-        self.discovery_updates = Counter(
-            "llm_gateway_discovery_updates",
-            "Endpoint sets applied from discovery sources, by source",
-            ["source"],
-            registry=r,
+        self.discovery_updates, self.discovery_failures = (
+            Counter(f"llm_gateway_discovery_{kind}", text, ["source"], registry=r)
+            for kind, text in (
+                ("updates", "Endpoint sets applied from discovery sources, by source"),
+                ("failures", "Discovery rounds that failed (the last set is kept), by source"),
+            )
         )
         self.client_disconnects = Counter(
             "llm_gateway_client_disconnects",

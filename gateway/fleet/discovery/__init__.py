@@ -25,6 +25,7 @@ class NetworkFiltered:
     def __init__(self, source: DiscoverySource, networks: EndpointNetworks) -> None:
         self.name = source.name
         self.source = source
+        self.on_failure = source.on_failure
         self._networks = networks
         self._refused: set[str] = set()
 
@@ -40,6 +41,7 @@ class NetworkFiltered:
                     log.warning("%s: endpoint %s refused: %s", name, endpoint.url, refusal)
             apply(name, kept)
 
+        self.source.on_failure = self.on_failure
         await self.source.run(filtered)
 
 

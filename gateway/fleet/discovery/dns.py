@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import dns.asyncresolver
@@ -26,7 +26,7 @@ import dns.resolver
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, DnsDiscoveryConfig, EndpointConfig
-from gateway.fleet.discovery.source import ApplyEndpoints, Backoff, Publisher
+from gateway.fleet.discovery.source import ApplyEndpoints, Backoff, Publisher, no_op
 
 __all__ = ["DnsSource", "parse_nameserver"]
 
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_TARGET_LOOKUPS = 16  # SRV targets without glue looked up at once
 _ADDRESS_TYPES = {
     "A": (dns.rdatatype.A,),
     "AAAA": (dns.rdatatype.AAAA,),
@@ -89,6 +90,7 @@ class DnsSource:
         self._lifetime = lifetime_s if lifetime_s is not None else min(5.0, max(1.0, config.interval_s))
         self._backoff = Backoff(min(config.interval_s, 1.0), max(config.interval_s, backoff_max_s))
         self._resolver: dns.asyncresolver.Resolver | None = None
+        self.on_failure: Callable[[], None] = no_op
 
     async def run(self, apply: ApplyEndpoints) -> None:
         publisher = Publisher(self.name, apply)
@@ -99,6 +101,7 @@ class DnsSource:
                 log.warning(
                     "%s: %s; keeping %d endpoints", self.name, _describe(exc), len(publisher.last or [])
                 )
+                self.on_failure()
                 delay = self._backoff.next()
             else:
                 publisher.publish(endpoints)
@@ -151,7 +154,13 @@ class DnsSource:
                 glue.setdefault(rrset.name, []).extend(rdata.address for rdata in rrset)
         records = [r for r in answer.rrset or () if r.target != dns.name.root]  # "." = no service
         missing = list({r.target for r in records if r.target not in glue})
-        resolved = await _all(self._addresses(resolver, target, search=False) for target in missing)
+        lookups = asyncio.Semaphore(_TARGET_LOOKUPS)  # two UDP sockets each: 600 targets at once ran out
+
+        async def addresses(target: dns.name.Name) -> list[str]:
+            async with lookups:
+                return await self._addresses(resolver, target, search=False)
+
+        resolved = await _all(addresses(target) for target in missing)
         glue.update(zip(missing, resolved, strict=True))
         targets = []
         for record in records:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import json
 import logging
 import math
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote
@@ -32,7 +33,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, EndpointConfig, KubernetesDiscoveryConfig
-from gateway.fleet.discovery.source import ApplyEndpoints, Backoff, Publisher
+from gateway.fleet.discovery.source import ApplyEndpoints, Backoff, Publisher, no_op
 
 __all__ = [
     "BOOTSTRAP_PORT_ANNOTATION",
@@ -114,6 +115,10 @@ def endpoint_from_pod(pod: Mapping[str, Any], config: KubernetesDiscoveryConfig)
     ip = status.get("podIP")
     if not ip:
         return Skip("no pod IP yet")
+    try:  # an address as the API server writes it, nothing getaddrinfo would read otherwise
+        ipaddress.ip_address(ip)
+    except (TypeError, ValueError):
+        return Skip(f"pod IP {str(ip)[:64]!r} is not an IP address", warn=True)
     if not _is_ready(status):
         return Skip("not Ready")
     labels: dict[str, str] = dict(meta.get("labels") or {})
@@ -210,6 +215,7 @@ class KubernetesSource:
         self._skipped: dict[str, str] = {}  # pod name → last logged reason, so each is logged once
         self._watch_healthy = False
         self._token_warned = False
+        self.on_failure: Callable[[], None] = no_op
 
     async def run(self, apply: ApplyEndpoints) -> None:
         publisher = Publisher(self.name, apply)
@@ -226,6 +232,7 @@ class KubernetesSource:
                     log.warning(
                         "%s: %s; keeping %d endpoints", self.name, _describe(exc), len(publisher.last or [])
                     )
+                    self.on_failure()
                 if self._watch_healthy:
                     self._backoff.reset()
                 # A watch that ends at once (closed, or 410 right after the list) is a failure too:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from gateway.config import EndpointConfig
 
-__all__ = ["ApplyEndpoints", "Backoff", "DiscoverySource", "Publisher"]
+__all__ = ["ApplyEndpoints", "Backoff", "DiscoverySource", "Publisher", "no_op"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ ApplyEndpoints = Callable[[str, list[EndpointConfig]], None]
 
 class DiscoverySource(Protocol):
     name: str
+    on_failure: Callable[[], None]  # each failed round (counted in /metrics by the wiring)
 
     async def run(self, apply: ApplyEndpoints) -> None:
         """Run until cancelled; report every change of the endpoint set through ``apply``.
@@ -38,6 +39,10 @@ class DiscoverySource(Protocol):
         Never raises except ``CancelledError``; errors are logged and retried with back-off.
         """
         ...
+
+
+def no_op() -> None:
+    """The failure hook of a source nobody counts (tests, the CLI's one-shot listing)."""
 
 
 class Backoff:

@@ -37,6 +37,11 @@ class FakeDnsServer(asyncio.DatagramProtocol):
     def nameserver(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def discovery(self, port: int, name: str = "llm.test", interval_s: float = 0.1) -> dict[str, Any]:
+        """The gateway's ``discovery`` section: one A-record source asking this server."""
+        source = {"name": name, "record": "A", "port": port, "nameserver": self.nameserver}
+        return {"dns": [{**source, "interval_s": interval_s}]}
+
     def set(self, name: str, rdtype: str, *rdatas: str) -> None:
         """Replace ``name``'s records of ``rdtype``; none given removes them."""
         key = (dns.name.from_text(name), dns.rdatatype.from_text(rdtype))

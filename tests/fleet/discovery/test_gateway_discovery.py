@@ -74,17 +74,7 @@ async def test_dns_records_become_endpoints(start_sim, start_gateway, http):
     port = int(sim.url.rsplit(":", 1)[1])
     async with running_dns() as dns:
         dns.set("llm.test.", "A", "127.0.0.1")
-        discovery = {
-            "dns": [
-                {
-                    "name": "llm.test",
-                    "record": "A",
-                    "port": port,
-                    "nameserver": dns.nameserver,
-                    "interval_s": 0.1,
-                }
-            ]
-        }
+        discovery = dns.discovery(port, interval_s=0.1)
         gw = await start_gateway([], discovery=discovery)
         await wait_until(
             lambda: _routable(http, gw.url, {sim.url}), 3.0, "the resolved address to be routable"
