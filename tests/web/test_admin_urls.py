@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gateway.config import DiscoveryConfig, EndpointConfig
 from gateway.fleet.discovery import NetworkFiltered
+from gateway.fleet.discovery.source import no_op
 from gateway.fleet.networks import EndpointNetworks
 from tests.web.test_admin import ADMIN, AUTH
 
@@ -68,6 +69,7 @@ async def test_allowed_networks_bound_admin_added_endpoints(start_upstream, star
 async def test_discovered_endpoints_outside_the_allowed_networks_are_dropped():
     class Source:
         name = "dns:test"
+        on_failure = staticmethod(no_op)
 
         async def run(self, apply) -> None:
             apply(
