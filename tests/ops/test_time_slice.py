@@ -22,13 +22,16 @@ async def test_a_loop_yields_once_per_slice_so_other_tasks_run() -> None:
     ticks = 0
     time_slice = TimeSlice(0.005)
     started = time.monotonic()
-    pauses = 0
-    while time.monotonic() - started < 0.05:  # 50 ms of work that never awaits by itself
+    steps = yields = 0
+    while yields < 10:  # work that never awaits by itself, until it yielded ten times
         before = ticks
         await time_slice.pause()
-        pauses += ticks != before
+        steps += 1
+        yields += ticks != before
+    elapsed = time.monotonic() - started
     other.cancel()
-    assert 5 <= pauses <= 12, pauses  # about one yield per 5 ms slice, not one per step
+    assert elapsed >= 10 * 0.005 * 0.99, elapsed  # never before its slice ran out
+    assert steps > 10 * 50, steps  # many steps a slice: not a yield at every step
 
 
 async def test_spent_says_when_the_slice_ran_out() -> None:
