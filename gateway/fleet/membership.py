@@ -58,6 +58,11 @@ class FleetMembership:
         owner = self._owner.get(url)
         return owner[0] if owner else None
 
+    def holds(self, config: EndpointConfig) -> bool:
+        """An endpoint of exactly this config is in the fleet (applying it again builds nothing)."""
+        owner = self._owner.get(config.url)
+        return owner is not None and owner[1] == config
+
     def endpoints_of(self, source: str) -> list[EndpointConfig]:
         return list(self._sources.get(source, {}).values())
 

@@ -167,6 +167,9 @@ async def add_endpoint(state: GatewayState, request: web.Request) -> web.Respons
     owner = state.membership.source_of(config.url)
     if owner is not None:
         raise Conflict(f"endpoint {public_url(config.url)} already exists (from {owner})")
+    replica = public_url(config.url).rstrip("/")
+    if any(e.base_url == replica for e in state.registry):  # the same replica, other user info
+        raise Conflict(f"endpoint {replica} already exists (under another URL)")
     try:
         state.membership.apply(ADMIN_SOURCE, [*state.membership.endpoints_of(ADMIN_SOURCE), config])
     except ConfigError as exc:

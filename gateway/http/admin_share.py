@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,9 @@ class AdminShare:
         self._file = f"admin-state-{worker}.json"
         self._socket = SiblingSocket(directory, "admin", worker, workers, _MAX_NOTICE)
         self._applied = 0  # sequence number of the admin state this worker holds
+        # Admin endpoints of that state this worker could not build (a moved CA file): kept in
+        # every state it sends, or its next change would remove them from every sibling.
+        self._unbuilt: dict[str, EndpointConfig] = {}
 
     @asynccontextmanager
     async def change(self) -> AsyncIterator[None]:
@@ -85,13 +88,18 @@ class AdminShare:
         self._applied += 1
         message = {
             "seq": self._applied,
-            "endpoints": [c.model_dump(mode="json") for c in state.membership.endpoints_of(ADMIN_SOURCE)],
+            "endpoints": [c.model_dump(mode="json") for c in self._admin_configs()],
             "draining": sorted(e.url for e in state.registry if e.draining),
         }
         write_whole(self._directory / self._file, json.dumps(message).encode())
         failed = self._socket.send(json.dumps({"state": self._file}).encode())
         if failed:  # a sibling gone (the parent logs it) or full: it keeps its previous state
             log.warning("admin change not sent to %d sibling worker(s)", failed)
+
+    def _admin_configs(self) -> list[EndpointConfig]:
+        configs = self._state.membership.endpoints_of(ADMIN_SOURCE)
+        built = {c.url for c in configs}
+        return configs + [c for url, c in self._unbuilt.items() if url not in built]
 
     def listen(self) -> None:
         self.catch_up()
@@ -121,7 +129,9 @@ class AdminShare:
             seq, configs, draining = _parse(json.loads((self._directory / name).read_text()))
             if seq <= self._applied:
                 return  # this worker holds that state or a newer one
-            self._apply(_buildable(configs), draining)
+            buildable = _buildable(configs, self._state.membership.holds)
+            self._apply(buildable, draining)
+            self._unbuilt = {c.url: c for c in configs if c not in buildable}
             self._applied = seq
         except Exception as exc:  # a file half-gone or garbage: the worker keeps serving (logged)
             log.error("admin change %s not applied: %s", origin, exc)
@@ -151,11 +161,15 @@ def _parse(message: Any) -> tuple[int, list[EndpointConfig], set[str]]:
     return seq, [EndpointConfig.model_validate(c) for c in message["endpoints"]], set(draining)
 
 
-def _buildable(configs: list[EndpointConfig]) -> list[EndpointConfig]:
-    """Those this worker can build: one whose file moved since it was added (a rotated CA, a
-    token file) is left out and logged, never the reason the worker cannot start."""
+def _buildable(configs: list[EndpointConfig], held: Callable[[EndpointConfig], bool]) -> list[EndpointConfig]:
+    """Those this worker can build or has built: one whose file moved since it was added (a
+    rotated CA, a token file) is left out and logged, never the reason the worker cannot start,
+    and never taken from a worker that built it before the file moved."""
     kept = []
     for config in configs:
+        if held(config):
+            kept.append(config)
+            continue
         try:
             endpoint_from_config(config)
         except ConfigError as exc:

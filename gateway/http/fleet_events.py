@@ -53,9 +53,9 @@ class FleetEvents:
         """A request ended. Sent to an endpoint removed since, its outcome re-created the series
         that the removal forgot: they go again once the last such request is done (not if the
         URL is back in the fleet meanwhile: the series are then the live endpoint's)."""
-        owner = endpoint.owner
-        if self._state.registry.get(owner.url) is not None:
+        if self._state.registry.get(endpoint.url) is not None:
             return  # in the fleet: the common case
+        owner = endpoint.owner.latest()  # replaced in place before it left: the counts moved there
         if all(each.in_flight <= 0 for each in (owner, *owner.rank_targets)):
             self.forget_series(owner)
 
