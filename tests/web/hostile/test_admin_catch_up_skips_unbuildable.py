@@ -5,7 +5,6 @@ start-up and crash-looping while its sibling serves (found by review, 2026-12-05
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ import pytest
 
 from tests.fleet.servers import self_signed
 from tests.support.harness import metric_value
-from tests.support.workers import alive, by_worker, spawn_gateway, worker_pids
+from tests.support.workers import alive, by_worker, spawn_admin_gateway, worker_pids
 
 KEY = "workers-admin-key"
 ADMIN = {"authorization": f"Bearer {KEY}"}
@@ -24,9 +23,7 @@ ADMIN = {"authorization": f"Bearer {KEY}"}
 async def test_a_replacement_worker_starts_despite_an_unbuildable_admin_endpoint(start_sim, http, tmp_path):
     sim = await start_sim(model="m")
     cert, _key = self_signed(tmp_path, "admin-ca")
-    config = tmp_path / "gw.yaml"
-    config.write_text(f"auth:\n  admin_key_sha256: {hashlib.sha256(KEY.encode()).hexdigest()}\n")
-    gw = await spawn_gateway([sim.url], ["--workers", "2", "--config", str(config)], tmp_path)
+    gw = await spawn_admin_gateway(sim.url, KEY, tmp_path)
     try:
         async with by_worker(gw.url) as found:
             session = next(iter(found.values()))[0]

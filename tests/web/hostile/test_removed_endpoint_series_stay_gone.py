@@ -27,6 +27,18 @@ async def _stream(http, gw) -> tuple[int, str]:
         return resp.status, (await resp.read()).decode()
 
 
+async def stream_held_on(upstream, http, gw) -> asyncio.Task:
+    """A stream that round-robin sent to ``upstream``, held open there (gated) until released."""
+    upstream.mode = "gated"
+    for _ in range(4):  # round-robin: one of the next requests lands on it
+        task = asyncio.create_task(_stream(http, gw))
+        await asyncio.sleep(0.1)
+        if upstream.first_chunk_sent.is_set():
+            return task
+        await task
+    raise AssertionError("no stream reached the gated upstream")
+
+
 async def test_a_removed_endpoint_stays_gone_after_its_last_stream_ends(start_upstream, start_gateway, http):
     first, second = await start_upstream(), await start_upstream()
     gw = await start_gateway([first.url], auth=AUTH, policy="round-robin")
@@ -38,16 +50,7 @@ async def test_a_removed_endpoint_stays_gone_after_its_last_stream_ends(start_up
         return endpoint is not None and endpoint.healthy
 
     await wait_until(healthy, 3.0, "the added endpoint to be probed")
-    second.mode = "gated"
-    stream = None
-    for _ in range(4):  # round-robin: one of the next requests lands on `second`
-        task = asyncio.create_task(_stream(http, gw))
-        await asyncio.sleep(0.1)
-        if second.first_chunk_sent.is_set():
-            stream = task
-            break
-        await task
-    assert stream is not None
+    stream = await stream_held_on(second, http, gw)
 
     async with http.delete(gw.url + "/admin/endpoints", params={"url": second.url}, headers=ADMIN) as resp:
         assert resp.status == 200

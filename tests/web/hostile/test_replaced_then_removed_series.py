@@ -9,7 +9,7 @@ import asyncio
 from gateway.config import EndpointConfig
 from gateway.http.reload import apply_config
 from tests.support.harness import chat_body, gateway_metrics, wait_until
-from tests.web.hostile.test_removed_endpoint_series_stay_gone import _series_of
+from tests.web.hostile.test_removed_endpoint_series_stay_gone import _series_of, stream_held_on
 
 
 async def _stream(http, gw) -> tuple[int, str]:
@@ -21,16 +21,7 @@ async def test_replaced_then_removed_endpoint_series_stay_gone(start_upstream, s
     first, second = await start_upstream(), await start_upstream()
     gw = await start_gateway([first.url, {"url": second.url, "labels": {"rev": "1"}}], policy="round-robin")
     state = gw.state
-    second.mode = "gated"
-    stream = None
-    for _ in range(4):  # round-robin: one of the next requests lands on `second`
-        task = asyncio.create_task(_stream(http, gw))
-        await asyncio.sleep(0.1)
-        if second.first_chunk_sent.is_set():
-            stream = task
-            break
-        await task
-    assert stream is not None
+    stream = await stream_held_on(second, http, gw)
     try:
         changed = EndpointConfig(url=second.url, labels={"rev": "2"})  # replaced in place
         kept = EndpointConfig(url=first.url)

@@ -5,7 +5,6 @@ the state it sends. Found by the final review (2026-12-05): the sibling removed 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import signal
@@ -13,7 +12,7 @@ import signal
 import pytest
 
 from tests.fleet.servers import self_signed
-from tests.support.workers import by_worker, spawn_gateway, worker_pids
+from tests.support.workers import by_worker, spawn_admin_gateway, worker_pids
 
 KEY = "workers-admin-key"
 ADMIN = {"authorization": f"Bearer {KEY}"}
@@ -30,9 +29,7 @@ async def _admin_urls(session, url: str) -> set[str]:
 async def test_a_drain_through_the_replacement_keeps_the_siblings_admin_endpoint(start_sim, tmp_path):
     sim = await start_sim(model="m")
     cert, _key = self_signed(tmp_path, "admin-ca")
-    config = tmp_path / "gw.yaml"
-    config.write_text(f"auth:\n  admin_key_sha256: {hashlib.sha256(KEY.encode()).hexdigest()}\n")
-    gw = await spawn_gateway([sim.url], ["--workers", "2", "--config", str(config)], tmp_path)
+    gw = await spawn_admin_gateway(sim.url, KEY, tmp_path)
     try:
         async with by_worker(gw.url) as found:
             session = next(iter(found.values()))[0]
