@@ -19,20 +19,28 @@ KEY = "workers-admin-key"
 ADMIN = {"authorization": f"Bearer {KEY}"}
 
 
+TLS_URL = "https://127.0.0.1:9"
+
+
+async def add_unbuildable_admin_endpoint(gw, tmp_path) -> None:
+    """An https admin endpoint whose CA file is then removed: the running workers keep the
+    endpoint they built; a worker started after this cannot build it."""
+    cert, _key = self_signed(tmp_path, "admin-ca")
+    async with by_worker(gw.url) as found:
+        session = next(iter(found.values()))[0]
+        body = {"url": TLS_URL, "models": ["m"], "tls_ca_file": str(cert)}
+        async with session.post(gw.url + "/admin/endpoints", json=body, headers=ADMIN) as resp:
+            assert resp.status == 201, await resp.text()
+    await asyncio.sleep(0.3)
+    cert.unlink()
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a test CA")
 async def test_a_replacement_worker_starts_despite_an_unbuildable_admin_endpoint(start_sim, http, tmp_path):
     sim = await start_sim(model="m")
-    cert, _key = self_signed(tmp_path, "admin-ca")
     gw = await spawn_admin_gateway(sim.url, KEY, tmp_path)
     try:
-        async with by_worker(gw.url) as found:
-            session = next(iter(found.values()))[0]
-            body = {"url": "https://127.0.0.1:9", "models": ["m"], "tls_ca_file": str(cert)}
-            async with session.post(gw.url + "/admin/endpoints", json=body, headers=ADMIN) as resp:
-                assert resp.status == 201, await resp.text()
-        await asyncio.sleep(0.3)
-        cert.unlink()  # the CA moved on; the running workers keep the endpoint they built
-
+        await add_unbuildable_admin_endpoint(gw, tmp_path)
         victim = sorted(worker_pids(gw.process.pid))[0]
         os.kill(victim, signal.SIGKILL)
         for _ in range(100):  # bounded: up to 10 s for the replacement to listen

@@ -11,12 +11,13 @@ import signal
 
 import pytest
 
-from tests.fleet.servers import self_signed
 from tests.support.workers import by_worker, spawn_admin_gateway, worker_pids
-
-KEY = "workers-admin-key"
-ADMIN = {"authorization": f"Bearer {KEY}"}
-TLS_URL = "https://127.0.0.1:9"
+from tests.web.hostile.test_admin_catch_up_skips_unbuildable import (
+    ADMIN,
+    KEY,
+    TLS_URL,
+    add_unbuildable_admin_endpoint,
+)
 
 
 async def _admin_urls(session, url: str) -> set[str]:
@@ -28,16 +29,9 @@ async def _admin_urls(session, url: str) -> set[str]:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a test CA")
 async def test_a_drain_through_the_replacement_keeps_the_siblings_admin_endpoint(start_sim, tmp_path):
     sim = await start_sim(model="m")
-    cert, _key = self_signed(tmp_path, "admin-ca")
     gw = await spawn_admin_gateway(sim.url, KEY, tmp_path)
     try:
-        async with by_worker(gw.url) as found:
-            session = next(iter(found.values()))[0]
-            body = {"url": TLS_URL, "models": ["m"], "tls_ca_file": str(cert)}
-            async with session.post(gw.url + "/admin/endpoints", json=body, headers=ADMIN) as resp:
-                assert resp.status == 201, await resp.text()
-        await asyncio.sleep(0.3)
-        cert.unlink()  # the CA moved on; the running workers keep the endpoint they built
+        await add_unbuildable_admin_endpoint(gw, tmp_path)
 
         before = worker_pids(gw.process.pid)
         victim = sorted(before)[0]
