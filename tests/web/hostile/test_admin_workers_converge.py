@@ -26,16 +26,20 @@ async def test_concurrent_admin_adds_through_two_workers_converge(start_sim, tmp
     try:
         async with by_worker(gw.url) as found:
             first, second = (sessions[0] for sessions in found.values())
+            used: set[int] = set()  # nothing listens on these ports: a later draw may repeat one
             for attempt in range(30):  # bounded: each attempt is two adds at the same moment
-                x, y = (f"http://127.0.0.1:{p}" for p in free_ports(2))
+                ports = [p for p in free_ports(8) if p not in used][:2]
+                used.update(ports)
+                x, y = (f"http://127.0.0.1:{p}" for p in ports)
 
                 async def add(session, url):
                     async with session.post(
                         gw.url + "/admin/endpoints", json={"url": url, "models": ["m"]}, headers=ADMIN
                     ) as resp:
-                        return resp.status
+                        return resp.status, await resp.text()
 
-                assert await asyncio.gather(add(first, x), add(second, y)) == [201, 201]
+                answers = await asyncio.gather(add(first, x), add(second, y))
+                assert [status for status, _ in answers] == [201, 201], answers
                 await asyncio.sleep(0.3)  # datagrams are delivered within milliseconds
                 seen_first = await _admin_urls(first, gw.url)
                 seen_second = await _admin_urls(second, gw.url)
