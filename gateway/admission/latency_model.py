@@ -1,7 +1,8 @@
 """An online latency model per replica, trained from the gateway's own observations.
 
-For every streamed answer the gateway records the replica's state when it sent the
-request (features) and what happened (TTFT, then the time per output token), and fits
+For streamed answers the gateway records the replica's state when it sent the request
+(features) and what happened (TTFT, then the time per output token) — every answer up to
+``training_per_s`` a second per replica, a sample of them past it — and fits
 
     TTFT ≈ θ₀ + θ₁·prefill_tokens + θ₂·queued + θ₃·in_flight + θ₄·kv_usage
     TPOT ≈ φ₀ + φ₁·in_flight + φ₂·kv_usage
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from gateway.admission.saturation import SaturationDetector
 from gateway.fleet.endpoint import Endpoint
 
-__all__ = ["TPOT_FEATURES", "TTFT_FEATURES", "LatencyModel", "LatencySample", "OnlineLinearModel"]
+__all__ = ["TPOT_FEATURES", "TTFT_FEATURES", "LatencyModel", "LatencySample", "OnlineLinearModel", "Training"]
 
 TTFT_FEATURES = ("intercept", "prefill_tokens", "queued", "in_flight", "kv_usage")
 _TTFT_SCALE = (1.0, 1000.0, 1.0, 4.0, 1.0)  # typical magnitudes: the ridge acts per typical unit
@@ -167,8 +168,41 @@ class LatencySample:
     tpot_x: tuple[float, ...]
     predicted_ttft_ms: float
     sent_at: float
+    training: Training
     first_byte_at: float | None = None
     completion_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """Which models an answer trains: its replica's, the fleet's pooled one, or both."""
+
+    replica: bool
+    fleet: bool
+
+
+_BOTH = Training(replica=True, fleet=True)
+
+
+class _TrainingBudget:
+    """A token bucket of answers per second (burst: one second's worth). An online fit gains
+    little from the thousandth answer in a second, and each observation costs ~5 µs on the
+    request path; at a low rate (a real engine's) every answer trains."""
+
+    __slots__ = ("_at", "_tokens")
+
+    def __init__(self, rate: float, now: float) -> None:
+        self._tokens = rate
+        self._at = now
+
+    def take(self, rate: float, now: float) -> bool:
+        tokens = min(rate, self._tokens + (now - self._at) * rate)
+        self._at = now
+        if tokens >= 1.0:
+            self._tokens = tokens - 1.0
+            return True
+        self._tokens = tokens
+        return False
 
 
 class _Replica:
@@ -189,20 +223,28 @@ class LatencyModel:
         horizon: int = 500,
         min_samples: int = 20,
         max_replicas: int = 4096,
+        training_per_s: float = 100.0,
     ) -> None:
         self._detector = detector
         self._horizon = horizon
         self.min_samples = min_samples
         self._max_replicas = max_replicas
+        self._training_per_s = training_per_s
+        self._fleet_budget = _TrainingBudget(training_per_s, time.monotonic())
+        self._budgets: OrderedDict[str, _TrainingBudget] = OrderedDict()
         self.fleet = _Replica(horizon)
         self.fleet.ttft.set_prior(_TTFT_PRIOR)
         self.fleet.tpot.set_prior(_TPOT_PRIOR)
         self._replicas: OrderedDict[str, _Replica] = OrderedDict()
         self._bias: dict[str, float] = {}  # priority → mean observed / predicted TTFT
 
-    def reconfigure(self, *, horizon: int, min_samples: int) -> None:
+    def reconfigure(self, *, horizon: int, min_samples: int, training_per_s: float = 100.0) -> None:
         """Hot reload: the new memory applies to every model from its next observation."""
         self._horizon, self.min_samples = horizon, min_samples
+        if training_per_s != self._training_per_s:  # full buckets at the new rate
+            self._training_per_s = training_per_s
+            self._fleet_budget = _TrainingBudget(training_per_s, time.monotonic())
+            self._budgets.clear()
         for replica in (self.fleet, *self._replicas.values()):
             replica.ttft.set_horizon(horizon)
             replica.tpot.set_horizon(horizon)
@@ -257,11 +299,31 @@ class LatencyModel:
         }
 
     # -- learning -----------------------------------------------------------------------
-    def sample(self, endpoint: Endpoint, uncached_tokens: float) -> LatencySample:
+    def training(self, name: str, *, always: bool = False) -> Training | None:
+        """Whether an answer from replica ``name`` sent now will train a model, and which: each
+        model takes at most ``training_per_s`` answers a second (``always``: every model, for a
+        debug request whose predicted TTFT is reported); None: neither, skip the sample."""
+        if always:
+            return _BOTH
+        now = time.monotonic()
+        rate = self._training_per_s
+        budget = self._budgets.get(name)
+        if budget is None:
+            budget = self._budgets[name] = _TrainingBudget(rate, now)
+            while len(self._budgets) > self._max_replicas:
+                self._budgets.popitem(last=False)
+        replica = budget.take(rate, now)
+        fleet = self._fleet_budget.take(rate, now)
+        if replica and fleet:
+            return _BOTH
+        return Training(replica, fleet) if replica or fleet else None
+
+    def sample(self, endpoint: Endpoint, uncached_tokens: float, training: Training = _BOTH) -> LatencySample:
         """The features of an attempt about to be sent, and what the model expects of it."""
         ttft_x = self.ttft_features(endpoint, uncached_tokens)
         predicted = self._for(endpoint.name).ttft.predict(ttft_x)
-        return LatencySample(endpoint.name, ttft_x, self.tpot_features(endpoint), predicted, time.monotonic())
+        tpot_x = self.tpot_features(endpoint)
+        return LatencySample(endpoint.name, ttft_x, tpot_x, predicted, time.monotonic(), training)
 
     def _replica(self, name: str) -> _Replica:
         replica = self._replicas.get(name)
@@ -283,17 +345,23 @@ class LatencyModel:
         *,
         priority: str | None = None,
         predicted_ms: float | None = None,
+        training: Training = _BOTH,
     ) -> None:
         if priority is not None and predicted_ms:
             bias = self._bias.get(priority, 1.0)
             self._bias[priority] = bias + 0.05 * (min(10.0, max(0.1, ttft_ms / predicted_ms)) - bias)
-        self.fleet.ttft.observe(x, ttft_ms, _TTFT_PRIOR)
-        self._replica(name).ttft.observe(x, ttft_ms, self.fleet.ttft.theta)
+        if training.fleet:
+            self.fleet.ttft.observe(x, ttft_ms, _TTFT_PRIOR)
+        if training.replica:
+            self._replica(name).ttft.observe(x, ttft_ms, self.fleet.ttft.theta)
 
-    def observe_tpot(self, name: str, x: Sequence[float], tpot_ms: float) -> None:
-        self.fleet.tpot.observe(x, tpot_ms, _TPOT_PRIOR)
-        self._replica(name).tpot.observe(x, tpot_ms, self.fleet.tpot.theta)
+    def observe_tpot(self, name: str, x: Sequence[float], tpot_ms: float, training: Training = _BOTH) -> None:
+        if training.fleet:
+            self.fleet.tpot.observe(x, tpot_ms, _TPOT_PRIOR)
+        if training.replica:
+            self._replica(name).tpot.observe(x, tpot_ms, self.fleet.tpot.theta)
 
     def forget(self, name: str) -> None:
         """The replica left the fleet (or restarted): its history says nothing any more."""
         self._replicas.pop(name, None)
+        self._budgets.pop(name, None)

@@ -48,3 +48,14 @@ class SloConfig(Strict):
     horizon: int = Field(
         500, ge=10, description="latency model memory, in observations (older ones fade exponentially)"
     )
+    training_per_s: float = Field(
+        100.0,
+        gt=0,
+        le=1_000_000,
+        description="streamed answers per second that train each replica's model (and as many the "
+        "fleet's pooled one); past it answers are sampled, bursts of up to one second's worth "
+        "included: at high rates a horizon of observations would span a fraction of a second, and "
+        "each observation costs CPU on the request path",
+    )
+
+    _rate = field_validator("training_per_s", mode="before")(refuse_boolean)

@@ -168,7 +168,9 @@ def build_plugin_context(
         SessionPlacement(config.sessions.ttl_s, config.sessions.max_sessions),
     )
     slo = config.admission.slo
-    latency = LatencyModel(detector, horizon=slo.horizon, min_samples=slo.min_samples)
+    latency = LatencyModel(
+        detector, horizon=slo.horizon, min_samples=slo.min_samples, training_per_s=slo.training_per_s
+    )
     return PluginContext(
         metrics=metrics, prefix=prefix, sessions=sessions, saturation=detector, latency=latency
     )

@@ -91,7 +91,9 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
     state.admission.reconfigure(new.admission)
     if state.plugin_context.latency is not None:
         slo = new.admission.slo
-        state.plugin_context.latency.reconfigure(horizon=slo.horizon, min_samples=slo.min_samples)
+        state.plugin_context.latency.reconfigure(
+            horizon=slo.horizon, min_samples=slo.min_samples, training_per_s=slo.training_per_s
+        )
     state.health.reconfigure(new.health)
     if state.health_checker is not None:
         state.health_checker.reconfigure(new.health)

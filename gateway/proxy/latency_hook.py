@@ -2,7 +2,8 @@
 
 - ``on_send``: the replica's state as the routing saw it (it runs first in the chain,
   before this attempt's own in-flight and pending prefill are counted) and the
-  prediction for it, into ``request.context.latency``;
+  prediction for it, into ``request.context.latency`` — for the answers that train the
+  model (``admission.slo.training_per_s`` a second per replica; every debug request);
 - ``on_headers``: with ``x-gateway-debug: 1``, ``x-gateway-predicted-ttft-ms`` (what routing
   predicted for the replica that serves it), so a client can measure the model's error;
 - ``on_first_byte``: the TTFT of a streamed answer → the model and the predicted-vs-observed
@@ -10,7 +11,8 @@
 - ``on_usage``: the completion token count; ``on_done``: the time per output token of a
   complete streamed answer → the model.
 
-A buffered answer's "first byte" is its last one, so it teaches the model nothing.
+A buffered answer's "first byte" is its last one, so it teaches the model nothing. The
+predicted-vs-observed histograms count the answers that trained it.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ class LatencyHook(RequestHooks):
         self._metrics = metrics
 
     def on_send(self, request: InferenceRequest, endpoint: Endpoint) -> None:
-        if not request.stream:
+        training = self._model.training(endpoint.name, always=request.debug) if request.stream else None
+        if training is None:  # buffered, or past the model's training rate: no sample
             request.context.latency = None
             return
         uncached = self._prefix.uncached_tokens(request, endpoint)
-        request.context.latency = self._model.sample(endpoint, uncached)
+        request.context.latency = self._model.sample(endpoint, uncached, training)
 
     def on_headers(self, request: InferenceRequest, endpoint: Endpoint, headers: dict[str, str]) -> None:
         sample = request.context.latency
@@ -65,6 +68,7 @@ class LatencyHook(RequestHooks):
             ttft_ms,
             priority=request.priority,
             predicted_ms=sample.predicted_ttft_ms,
+            training=sample.training,
         )
         metrics = self._metrics
         metrics.child(metrics.ttft_predicted, endpoint.name).observe(predicted_ms / 1000)
@@ -87,4 +91,4 @@ class LatencyHook(RequestHooks):
             tokens = request.context.streamed_chunks - 1
         if tokens >= 2:
             tpot_ms = (time.monotonic() - sample.first_byte_at) * 1000 / (tokens - 1)
-            self._model.observe_tpot(endpoint.name, sample.tpot_x, tpot_ms)
+            self._model.observe_tpot(endpoint.name, sample.tpot_x, tpot_ms, sample.training)
