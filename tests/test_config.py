@@ -52,6 +52,9 @@ def profile(*refs: str, name: str = "p") -> dict[str, Any]:
         ),
         ({"health": {"interval_s": 0}}, "health.interval_s"),
         ({"limits": {"retries": 9}}, "limits.retries"),
+        ({"admission": {"queue_depth_threshold": 0}}, "admission.queue_depth_threshold"),  # idle = saturated
+        ({"admission": {"slo": {"training_per_s": 0}}}, "admission.slo.training_per_s"),
+        ({"admission": {"slo": {"training_per_s": True}}}, "admission.slo.training_per_s"),
         ({"log_level": "loud"}, "log_level"),
         (
             {"policy": "round-robin", "plugins": [{"type": "random"}], "profiles": [profile("random")]},

@@ -11,7 +11,8 @@
   ``slo.drop_overdue`` leaves the queue with a 429 once its deadline has passed;
 - ``sheddable``: admitted only with headroom and nobody queued; otherwise served by the
   fallback model if one is configured and has room (degraded), else 429 at once.
-  Under partial pressure (half the pool saturated) its ``max_tokens`` may be clamped.
+  Under partial pressure (half the pool saturated) its output cap may be clamped (the
+  API's own field: ``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``).
   With a TTFT objective it is also refused when no replica is predicted (by the learned
   latency model, confidently) to produce its first token before the deadline.
 
@@ -28,7 +29,7 @@ import bisect
 import json
 import math
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,7 +39,7 @@ from gateway.config import AdmissionConfig
 from gateway.errors import GatewayError
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.request.types import InferenceRequest, Priority
+from gateway.request.types import ApiKind, InferenceRequest, Priority
 
 __all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftPredictor", "rewrite_body"]
 
@@ -100,6 +101,9 @@ class AdmissionController:
         self._critical: deque[_Waiter] = deque()
         self._standard: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # tenant → FIFO
         self._queued_standard = 0
+        # Standard waiters by model: a new request queues behind those of its own model only
+        # (another model's saturated replicas say nothing about its own).
+        self._queued_models: Counter[str] = Counter()
         self._drain_scheduled = False
 
     def reconfigure(self, config: AdmissionConfig) -> None:
@@ -117,9 +121,17 @@ class AdmissionController:
     def queued(self) -> int:
         return len(self._critical) + self._queued_standard
 
-    async def admit(self, request: InferenceRequest) -> Ticket:
-        """Return a ticket (release it when the request ends) or raise :class:`RateLimited`."""
-        ticket = await self._admit(request)
+    def with_room(self, candidates: list[Endpoint]) -> list[Endpoint]:
+        """The candidates under ``endpoint_max_concurrency``; all of them when none is (critical
+        work, admitted past saturation, and requests routed concurrently may still exceed it)."""
+        return self._detector.below_cap(candidates)
+
+    async def admit(self, request: InferenceRequest, *, pinned: bool = False) -> Ticket:
+        """Return a ticket (release it when the request ends) or raise :class:`RateLimited`.
+
+        ``pinned``: the request can only go to one replica (a Responses chain's), so it may not
+        be served by the fallback model."""
+        ticket = await self._admit(request, pinned)
         engine_priority = self._config.engine_priority
         if engine_priority and engine_priority.get(request.priority, 0) and "priority" not in request.body:
             # Inside the engine too, critical work must not wait behind admitted bulk work.
@@ -127,7 +139,7 @@ class AdmissionController:
             rewrite_body(request)
         return ticket
 
-    async def _admit(self, request: InferenceRequest) -> Ticket:
+    async def _admit(self, request: InferenceRequest, pinned: bool) -> Ticket:
         priority = request.priority
         if not self._config.enabled:
             return self._grant(Ticket(priority))
@@ -138,12 +150,13 @@ class AdmissionController:
         if priority == "sheddable":  # admitted or refused once: on what the engines really hold
             await self._detector.settle(self._candidates_for(request.model), self._config.burst_settle_s)
             saturated = self._saturated(request.model)
-            if not saturated and not self.queued():
+            if not saturated and not self._queued_models[request.model]:
                 await self._check_slo(request)
-            return self._admit_sheddable(request, saturated)
+            return self._admit_sheddable(request, saturated, pinned)
         saturated = self._saturated(request.model)
         slo_gated = await self._slo_gated(request)
-        if not saturated and not self.queued() and not (slo_gated and self._slo_verdict(request) is False):
+        queued = self._queued_models[request.model]
+        if not saturated and not queued and not (slo_gated and self._slo_verdict(request) is False):
             return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
         if self._queued_standard >= self._config.max_queue:
             raise self._refuse(priority, "queue_full", "the admission queue is full")
@@ -197,9 +210,9 @@ class AdmissionController:
                 retry_after=max(self._config.retry_after_s, (best - left_ms) / 1000),
             )
 
-    def _admit_sheddable(self, request: InferenceRequest, saturated: bool) -> Ticket:
+    def _admit_sheddable(self, request: InferenceRequest, saturated: bool, pinned: bool) -> Ticket:
         degrade = self._config.degrade
-        if not saturated and not self.queued():
+        if not saturated and not self._queued_models[request.model]:
             ticket = Ticket("sheddable")
             pressure = self._detector.pressure(self._candidates_for(request.model))
             if degrade.sheddable_max_tokens and pressure >= 0.5:
@@ -207,7 +220,7 @@ class AdmissionController:
             outcome = "degraded" if ticket.degraded else "admitted"
             return self._decided(self._grant(ticket), outcome, "pressure" if ticket.degraded else "headroom")
         fallback = degrade.fallback_model
-        if fallback and fallback != request.model and not self._saturated(fallback):
+        if fallback and not pinned and fallback != request.model and not self._saturated(fallback):
             if self._candidates_for(fallback):
                 ticket = Ticket("sheddable", degraded=_switch_model(request, fallback))
                 return self._decided(self._grant(ticket), "degraded", "fallback_model")
@@ -231,6 +244,7 @@ class AdmissionController:
             waiter.due = deadline
             bisect.insort_right(queue, waiter, key=_due)  # after equal deadlines: FIFO among them
             self._queued_standard += 1
+            self._queued_models[request.model] += 1
         else:
             queue.append(waiter)
         self._publish_queue()
@@ -259,6 +273,10 @@ class AdmissionController:
             return
         if waiter.request.priority != "critical":
             self._queued_standard -= 1
+            model = waiter.request.model
+            self._queued_models[model] -= 1
+            if not self._queued_models[model]:
+                del self._queued_models[model]
             tenant = waiter.request.tenant
             if not queue and self._standard.get(tenant) is queue:
                 del self._standard[tenant]
@@ -283,27 +301,39 @@ class AdmissionController:
             if not waiter.future.done():
                 if self.critical_in_flight < self._config.critical_max_concurrency:
                     waiter.future.set_result(None)
-                return  # critical waiters block everything behind them
+                    return
+                # Critical waits for its own cap, which standard work does not take from: the
+                # standard queues below go on being served meanwhile.
+                break
         now = time.monotonic()
+        saturated: dict[str, bool] = {}  # by model, for this pass
+
+        def is_saturated(model: str) -> bool:
+            state = saturated.get(model)
+            if state is None:
+                state = saturated[model] = self._saturated(model)
+            return state
+
         for tenant in list(self._standard):
-            queue = self._standard[tenant]
-            candidate = self._next_waiter(queue, now)
+            candidate = self._next_waiter(self._standard[tenant], now, is_saturated)
             if candidate is None:
                 continue
-            if self._saturated(candidate.request.model):
-                continue  # another tenant's model may have room
             candidate.future.set_result(None)
             self._standard.move_to_end(tenant)  # round-robin across tenants
             return
 
-    def _next_waiter(self, queue: deque[_Waiter], now: float) -> _Waiter | None:
+    def _next_waiter(
+        self, queue: deque[_Waiter], now: float, is_saturated: Callable[[str], bool]
+    ) -> _Waiter | None:
         """Earliest deadline first among those still meetable, then the overdue ones.
 
         Plain EDF collapses under overload: it serves the most overdue requests first, all of
         which have missed already, while the meetable ones behind them go stale too. Without
         SLOs nothing is overdue while queued (due = arrival + queue_timeout_s): FIFO. A waiter
         with a TTFT deadline is skipped while no replica is predicted to meet it; once overdue
-        it is refused (``drop_overdue``) or served late like any other."""
+        it is refused (``drop_overdue``) or served late like any other. A waiter whose model's
+        replicas are saturated is passed over: the tenant's waiters for other models are not
+        held behind it."""
         overdue = None
         scanned = 0
         drop = self._config.slo.drop_overdue
@@ -311,6 +341,8 @@ class AdmissionController:
             if waiter.future.done():
                 continue
             if waiter.due > now:
+                if is_saturated(waiter.request.model):
+                    continue
                 if not waiter.slo_gated:
                     return waiter
                 if self._slo_verdict(waiter.request, now) is not False:
@@ -324,7 +356,7 @@ class AdmissionController:
                         waiter.request.priority, "slo_deadline_passed", "its TTFT deadline passed in queue"
                     )
                 )
-            elif overdue is None:
+            elif overdue is None and not is_saturated(waiter.request.model):
                 overdue = waiter
         return overdue
 
@@ -379,8 +411,20 @@ def rewrite_body(request: InferenceRequest) -> None:
     request.raw_body = json.dumps(request.body, separators=(",", ":")).encode()
 
 
+# Where each API caps its output, preferred first; APIs without output tokens are not clamped.
+_OUTPUT_CAPS = {
+    ApiKind.CHAT: ("max_completion_tokens", "max_tokens"),
+    ApiKind.COMPLETIONS: ("max_tokens",),
+    ApiKind.MESSAGES: ("max_tokens",),
+    ApiKind.RESPONSES: ("max_output_tokens",),
+}
+
+
 def _clamp_max_tokens(request: InferenceRequest, ceiling: int) -> str | None:
-    key = "max_completion_tokens" if "max_completion_tokens" in request.body else "max_tokens"
+    fields = _OUTPUT_CAPS.get(request.api)
+    if fields is None:  # embeddings, rerank, audio …: nothing to shorten
+        return None
+    key = next((f for f in fields if f in request.body), fields[-1])
     value = request.body.get(key)
     if isinstance(value, int) and not isinstance(value, bool) and value <= ceiling:
         return None

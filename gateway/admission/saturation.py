@@ -130,6 +130,13 @@ class SaturationDetector:
         kv = self.estimated_kv_usage(endpoint)
         return kv is not None and kv >= self._kv_threshold
 
+    def below_cap(self, candidates: list[Endpoint]) -> list[Endpoint]:
+        """Those under ``endpoint_max_concurrency``, or all when none is (or no cap is set)."""
+        cap = self._endpoint_cap
+        if not cap:
+            return candidates
+        return [e for e in candidates if e.in_flight < cap] or candidates
+
     def pool_saturated(self, candidates: Sequence[Endpoint]) -> bool:
         """Saturated only if every replica with known state is saturated (and one is known)."""
         known = False

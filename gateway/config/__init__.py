@@ -198,7 +198,7 @@ class AdmissionConfig(_Strict):
     enabled: bool = True
     priority_header: str = "x-priority"
     tenant_header: str = "x-tenant-id"
-    queue_depth_threshold: float = Field(5, ge=0, description="waiting requests that saturate a replica")
+    queue_depth_threshold: float = Field(5, gt=0, description="waiting requests that saturate a replica")
     kv_utilization_threshold: float = Field(0.8, gt=0, le=1)
     queue_timeout_s: float = Field(10.0, gt=0)
     max_queue: int = Field(1024, ge=0)

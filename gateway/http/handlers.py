@@ -99,13 +99,16 @@ async def _route(
     shared = state.shared_load  # workers > 1: the siblings' load, for admission and for routing
     if shared is not None:
         shared.refresh()
-    ticket = await state.admission.admit(request)
+    ticket = await state.admission.admit(request, pinned=stored is not None)
     try:
         if shared is not None:
             # Always, not throttled: a sibling's request that ended a moment ago (its client
             # already sending the next turn here) must not count against its replica.
             shared.refresh(force=True)
-        candidates = [stored] if stored is not None else _candidates(state, request.model)
+        if stored is not None:
+            candidates = [stored]
+        else:  # a replica at endpoint_max_concurrency takes no more while another has room
+            candidates = state.admission.with_room(_candidates(state, request.model))
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)
         if state.access_log.enabled:

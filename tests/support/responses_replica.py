@@ -21,6 +21,7 @@ class Replica:
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers: every request
         self.compress = False  # gzip the answers of GET /v1/responses/{id} when the client accepts it
         self.get_mode = "ok"  # "ok" | "sse-die": GET ?stream=true streams an event, then the socket dies
+        self.metrics_text: str | None = None  # /metrics: an idle engine's unless set
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._counter = 0
@@ -45,6 +46,10 @@ class Replica:
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[1]
+
     async def stop(self) -> None:
         if self._runner is not None:
             runner, self._runner = self._runner, None
@@ -59,7 +64,7 @@ class Replica:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=vllm_metrics(model=self.model))
+        return web.Response(text=self.metrics_text or vllm_metrics(model=self.model))
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
