@@ -59,7 +59,8 @@ class TableSpec:
 
 @dataclass(frozen=True, slots=True)
 class BreakerCell:
-    """One endpoint's breaker as every worker sees it. ``open_until`` 0: not ejected."""
+    """One endpoint's breaker as every worker sees it. ``open_until`` 0: not ejected; while a
+    probe is claimed (``probe_owner`` set), when the claim was made or last kept (its lease)."""
 
     version: int
     open_until: float
@@ -248,14 +249,31 @@ class WorkerTable:
         with self._locked():
             return self._write_breaker(row, open_until, ejections_in_row, probe_owner)
 
-    def claim_probe(self, row: int) -> bool:
-        """Half-open: the first worker to ask sends the probe; the others keep the endpoint out."""
+    def claim_probe(self, row: int, now: float, lease_s: float) -> bool:
+        """Half-open: the first worker to ask sends the probe; the others keep the endpoint out.
+
+        A claim lapses unless its owner keeps it (:meth:`keep_probe`, while its probe is in
+        flight) within ``lease_s``: a worker that gets no traffic for the endpoint must not
+        hold it out of every worker's rotation. A lapsed claim goes to the next to ask."""
         with self._locked():
             breaker = self.breaker(row)
-            if breaker.probe_owner is not None and breaker.probe_owner != self._own():
+            owner = breaker.probe_owner
+            if owner is not None and owner != self._own() and now - breaker.open_until < lease_s:
                 return False
-            if breaker.probe_owner is None:
-                self._write_breaker(row, breaker.open_until, breaker.ejections_in_row, self._own())
+            if owner != self._own():
+                self._write_breaker(row, now, breaker.ejections_in_row, self._own())
+            return True
+
+    def holds_probe(self, row: int) -> bool:
+        return self.breaker(row).probe_owner == self._own()
+
+    def keep_probe(self, row: int, now: float) -> bool:
+        """Renew this worker's claim (its probe is in flight); False when the claim is not its own."""
+        with self._locked():
+            breaker = self.breaker(row)
+            if breaker.probe_owner != self._own():
+                return False
+            self._write_breaker(row, max(now, breaker.open_until), breaker.ejections_in_row, self._own())
             return True
 
     def _write_breaker(self, row: int, open_until: float, ejections: int, owner: int | None) -> int:

@@ -9,8 +9,9 @@ Breaker states, per endpoint (Envoy's outlier detection with a half-open probe):
   of ``error_rate`` over ``window_s`` (with at least ``min_requests``), eject it;
 - *open*: out of rotation for ``ejection_s × 2^(n-1)`` (capped), n = ejections in a row;
 - *half-open*: back in rotation until one request is sent to it; that request is the
-  probe (the endpoint leaves rotation again while it runs). Success closes the
-  breaker; failure re-opens it with a doubled ejection time.
+  probe (the endpoint leaves rotation again until it answers). Its first byte closes the
+  breaker (a stream need not end first); a failure before it re-opens the breaker with a
+  doubled ejection time.
 
 A replica that accepts requests and never answers (hung engine, lost requests) shows
 no failure at all until a timeout of minutes, so *stalls* are detected too: requests
@@ -192,6 +193,8 @@ class CircuitBreakers:
             breaker.probing = True  # this request is the probe; others wait for its verdict
             endpoint.ejected = True
             self._registry.rebuild()
+            if self.shared is not None:  # the claim is in use from now on
+                self.shared.keep_probe(endpoint, time.monotonic())
 
     def release_probe(self, endpoint: Endpoint) -> None:
         """The probe ended with no verdict (client gone, prefill partner failed): allow another."""
@@ -211,13 +214,16 @@ class CircuitBreakers:
         breaker.window_ok.add(time.monotonic())
         breaker.consecutive_failures = 0
         if breaker.state is BreakerState.HALF_OPEN:
-            log.warning("endpoint %s: probe succeeded, back in rotation", endpoint.name)
-            breaker.state = BreakerState.CLOSED
-            breaker.probing = False
-            endpoint.ejected = False
-            self._registry.rebuild()
-            if self.shared is not None:
-                self.shared.publish(endpoint, 0.0, breaker.ejections_in_row)
+            self._close(endpoint, breaker)
+
+    def _close(self, endpoint: Endpoint, breaker: _Breaker) -> None:
+        log.warning("endpoint %s: probe succeeded, back in rotation", endpoint.name)
+        breaker.state = BreakerState.CLOSED
+        breaker.probing = False
+        endpoint.ejected = False
+        self._registry.rebuild()
+        if self.shared is not None:
+            self.shared.publish(endpoint, 0.0, breaker.ejections_in_row)
 
     def on_failure(self, endpoint: Endpoint, reason: str) -> None:
         endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
@@ -261,8 +267,13 @@ class CircuitBreakers:
     def on_first_byte(self, endpoint: Endpoint) -> None:
         endpoint = endpoint.owner  # breakers are per URL: a DP rank target's is its replica's
         breaker = self._breakers.get(endpoint.url)
-        if breaker is not None:
-            breaker.last_first_byte = time.monotonic()
+        if breaker is None:
+            return
+        breaker.last_first_byte = time.monotonic()
+        if breaker.state is BreakerState.HALF_OPEN and breaker.probing and self._current(endpoint):
+            # The probe is answering: the replica is back now, not when its stream ends (minutes,
+            # for a long generation); a failure later in the stream counts like any other.
+            self._close(endpoint, breaker)
 
     def abort_waits(self, endpoint: Endpoint, reason: str) -> int:
         """Cut short every request waiting for this endpoint's first byte (they get re-sent)."""
@@ -329,13 +340,21 @@ class CircuitBreakers:
             if breaker is None:
                 continue
             if breaker.state is BreakerState.OPEN and now >= breaker.open_until:
-                if self.shared is not None and not self.shared.claim_probe(endpoint):
+                if self.shared is not None and not self.shared.claim_probe(endpoint, now, self._lease_s()):
                     continue  # a sibling worker sends the probe; its verdict is adopted
                 breaker.state = BreakerState.HALF_OPEN
                 breaker.probing = False
                 endpoint.ejected = False
                 changed = True
                 log.info("endpoint %s: half-open, the next request is a probe", endpoint.name)
+            elif breaker.state is BreakerState.HALF_OPEN and self.shared is not None:
+                if breaker.probing:
+                    self.shared.keep_probe(endpoint, now)  # in flight: the claim is still in use
+                elif not self.shared.holds_probe(endpoint):
+                    # Our claim lapsed unused and a sibling took it: its probe, its verdict.
+                    breaker.state = BreakerState.OPEN
+                    breaker.open_until = now
+                    endpoint.ejected = changed = True
             elif (
                 breaker.state is BreakerState.CLOSED
                 and breaker.ejections_in_row
@@ -349,6 +368,10 @@ class CircuitBreakers:
                     self._eject(endpoint, breaker, "stalled")
         if changed:
             self._registry.rebuild()
+
+    def _lease_s(self) -> float:
+        """How long a claimed probe may go unsent before a sibling worker may take the claim."""
+        return max(1.0, 4 * self._config.check_interval_s)
 
     def _adopt_shared(self, now: float) -> bool:
         """A sibling worker ejected an endpoint, or its probe closed the breaker: do the same here."""

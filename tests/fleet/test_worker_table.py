@@ -81,13 +81,13 @@ def test_a_dead_workers_column_and_probe_are_cleared_by_the_parent(spec):
     worker.load_cell(row).add(4, 400)
     sibling.load_cell(row).add(1, 100)
     worker.write_breaker(row, 123.0, 2, None)
-    assert worker.claim_probe(row)
-    assert not sibling.claim_probe(row)  # one probe for the whole gateway
+    assert worker.claim_probe(row, 130.0, lease_s=60.0)
+    assert not sibling.claim_probe(row, 131.0, lease_s=60.0)  # one probe for the whole gateway
     parent.clear_worker(0)
     assert parent.row_load(row) == (1, 100, 0)
     breaker = parent.breaker(row)
-    assert (breaker.open_until, breaker.ejections_in_row, breaker.probe_owner) == (123.0, 2, None)
-    assert sibling.claim_probe(row)  # the probe is the sibling's to send now
+    assert (breaker.open_until, breaker.ejections_in_row, breaker.probe_owner) == (130.0, 2, None)
+    assert sibling.claim_probe(row, 131.0, lease_s=60.0)  # the probe is the sibling's to send now
     assert parent.rows_in_use() == 1  # the row only the dead worker used is free
     assert only_dead != row
 
@@ -112,3 +112,17 @@ def test_heartbeats_are_per_worker_outside_the_rows_and_cleared_with_the_worker(
     assert (parent.last_beat(0), parent.last_beat(2)) == (0.0, 99.0)  # a replacement starts silent
     with pytest.raises(RuntimeError):
         parent.beat(1.0)  # the parent has no cell of its own
+
+
+def test_a_probe_claim_is_a_lease_its_owner_keeps_while_the_probe_runs(spec):
+    worker, sibling = WorkerTable(spec, 0), WorkerTable(spec, 1)
+    row = worker.claim("replica:8000")
+    sibling.claim("replica:8000")
+    assert worker.claim_probe(row, 100.0, lease_s=1.0)
+    assert not sibling.claim_probe(row, 100.9, lease_s=1.0)
+    assert worker.keep_probe(row, 100.8)  # its probe is in flight
+    assert not sibling.claim_probe(row, 101.7, lease_s=1.0)
+    assert sibling.claim_probe(row, 101.9, lease_s=1.0)  # not kept for a lease: it lapsed
+    assert sibling.holds_probe(row) and not worker.holds_probe(row)
+    assert not worker.keep_probe(row, 102.0)  # no longer its own to keep
+    assert not worker.claim_probe(row, 102.0, lease_s=1.0)

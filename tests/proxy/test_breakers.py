@@ -55,7 +55,8 @@ async def test_failing_endpoint_is_ejected_and_clients_see_no_error(start_upstre
     await wait_idle(http, gw)
 
 
-async def test_half_open_probe_brings_a_recovered_endpoint_back(start_upstream, start_gateway, http):
+async def _flaky_ejected(start_upstream, start_gateway, http):
+    """Two replicas under round-robin; the first answers 500 until it is ejected (0.5 s)."""
     flaky, good = await start_upstream(), await start_upstream()
     flaky.mode, flaky.status = "status", 500
     gw = await start_gateway(
@@ -64,6 +65,11 @@ async def test_half_open_probe_brings_a_recovered_endpoint_back(start_upstream, 
     for _ in range(6):
         assert (await post_chat(http, gw))[0] == 200
     assert gw.state.registry.get(flaky.url).ejected
+    return flaky, gw
+
+
+async def test_half_open_probe_brings_a_recovered_endpoint_back(start_upstream, start_gateway, http):
+    flaky, gw = await _flaky_ejected(start_upstream, start_gateway, http)
 
     # Still broken when the ejection ends: the single probe fails and the ejection doubles.
     await asyncio.sleep(0.6)
@@ -283,3 +289,37 @@ def test_backoff_is_bounded_full_jitter():
     assert all(0 <= v <= 0.04 for v in values)
     assert max(values) > 0.02  # spread over the whole range, not a constant
     assert all(v <= 1.0 for v in (backoff_s(0.5, 10) for _ in range(50)))
+
+
+async def test_a_probe_that_streams_brings_the_replica_back_at_its_first_byte(
+    stack, start_upstream, start_gateway, http
+):
+    """The breaker used to close only when the probe ended: a long generation as the probe kept
+    a recovered replica out of rotation for its whole stream."""
+    flaky, gw = await _flaky_ejected(start_upstream, start_gateway, http)
+    flaky.mode = "gated"  # recovered: streams its first chunk, then holds the rest
+    stack.callback(flaky.gate.set)
+    await asyncio.sleep(0.6)  # half-open
+    endpoint = gw.state.registry.get(flaky.url)
+
+    async def stream() -> str:
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+            await resp.read()
+            return resp.headers["x-gateway-endpoint"]
+
+    before, streams = len(flaky.requests), []
+    while len(flaky.requests) == before:  # round-robin: the probe lands on flaky within two
+        streams.append(asyncio.create_task(stream()))
+        await asyncio.sleep(0.05)
+        assert len(streams) < 10
+    await asyncio.wait_for(flaky.first_chunk_sent.wait(), 2.0)
+
+    async def closed() -> bool:
+        return gw.state.breakers.state(endpoint) == "closed" and not endpoint.ejected
+
+    await wait_until(closed, 1.0, "the breaker closed at the probe's first byte")
+    flaky.mode = "ok"  # later requests complete; the probe's stream is still held
+    served = [(await post_chat(http, gw))[1] for _ in range(4)]
+    assert served.count(flaky.name) == 2
+    flaky.gate.set()
+    assert (await asyncio.gather(*streams)).count(flaky.name) == 1  # one probe

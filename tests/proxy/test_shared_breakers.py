@@ -68,3 +68,33 @@ def test_a_failed_probe_ejects_again_everywhere_for_longer(tmp_path):
     assert second.state(a1) is BreakerState.OPEN and a1.ejected
     second.review(now + 3.0)  # 9 s after the first ejection (5 s), within the second (10 s from now)
     assert second.state(a1) is BreakerState.OPEN and a1.ejected
+
+
+def test_a_claim_its_worker_never_uses_lapses_and_a_sibling_with_traffic_probes(tmp_path):
+    """The claim used to stand until its worker sent the probe: a worker with no traffic for the
+    replica (every client on the sibling's connections) held it out of rotation for good."""
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
+    first.on_failure(a0, "http_500")
+    first.on_failure(a0, "http_500")
+    second.review(time.monotonic())  # adopted
+    now = time.monotonic() + 6.0  # the 5 s ejection is over
+    first.review(now)  # first claims the probe, and then gets no request for this replica
+    second.review(now)
+    second.review(now + 0.5)
+    assert second.state(a1) is BreakerState.OPEN and a1.ejected  # the claim is fresh: wait for it
+    first.review(now + 0.5)  # no probe in flight: the claim is not renewed
+
+    second.review(now + 1.5)  # lapsed (lease 1 s): second takes it and has the replica in rotation
+    assert second.state(a1) is BreakerState.HALF_OPEN and not a1.ejected
+    first.review(now + 1.6)  # first's claim is gone: out, waiting for second's verdict
+    assert first.state(a0) is BreakerState.OPEN and a0.ejected
+
+    second.on_send(a1)  # second's probe, a long stream: its worker renews the claim while it runs
+    for step in range(1, 6):
+        second.review(now + 1.6 + step * 0.5)
+        first.review(now + 1.8 + step * 0.5)
+        assert first.state(a0) is BreakerState.OPEN and a0.ejected, step  # never a second probe
+    second.on_success(a1)
+    first.review(now + 5.0)
+    assert first.state(a0) is BreakerState.CLOSED and not a0.ejected
