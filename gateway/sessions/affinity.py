@@ -24,8 +24,8 @@ __all__ = ["PinState", "SessionAffinity", "SessionPin"]
 class PinState(StrEnum):
     """What became of the pinned replica for this request."""
 
-    USABLE = "usable"  # a candidate with headroom: the scorer favoured it
-    SATURATED = "saturated"  # a candidate, but saturated: the session may move
+    USABLE = "usable"  # a candidate with headroom (or no replica has more): the scorer favoured it
+    SATURATED = "saturated"  # a candidate, but saturated while another has headroom: it may move there
     GONE = "gone"  # not a candidate any more (down, removed), or it failed this request
 
 
@@ -74,19 +74,25 @@ class SessionAffinity:
         return pin.pinned if pin is not None else None
 
     def usable_pin(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint | None:
-        """The pinned endpoint if it is a candidate and has headroom, else None."""
+        """The pinned endpoint if it is a candidate and has headroom, or is saturated while no
+        other candidate is known to have any (a move would trade its warm cache for another
+        full replica, and the next turn would move again); else None."""
         pin = request.context.session
         if pin is None or pin.pinned is None:
             return None
         for endpoint in candidates:
             if endpoint.name == pin.pinned:
-                if self._detector.saturated(endpoint):
+                if self._detector.saturated(endpoint) and self.with_headroom(candidates):
                     pin.state = PinState.SATURATED
                     return None
                 pin.state = PinState.USABLE
                 return endpoint
         pin.state = PinState.GONE
         return None
+
+    def with_headroom(self, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        """The candidates known not to be saturated (stale metrics are not known)."""
+        return [e for e in candidates if self._detector.saturated(e) is False]
 
     def sent(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         """A request of a session went to ``endpoint``: count the session there (until a move)."""

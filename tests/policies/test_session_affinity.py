@@ -68,15 +68,32 @@ async def test_pinned_replica_not_a_candidate_is_gone():
     assert req.context.session.state is PinState.GONE
 
 
-async def test_saturated_pinned_replica_lets_the_session_move():
+async def test_saturated_pinned_replica_lets_the_session_move_to_one_with_headroom():
     svc = services(queue_depth_threshold=5)
     scorer = scorer_for(svc)
-    a, pinned = endpoint(1), endpoint(2)
+    roomy, full, pinned = endpoint(1), endpoint(2), endpoint(3)
+    with_metrics(roomy, waiting=0, running=1, kv=0.1)
+    with_metrics(full, waiting=9, running=10, kv=0.1)
     with_metrics(pinned, waiting=5, running=10, kv=0.1)
     req = request(**SESSION)
     svc.store.pin(req.session_id, pinned.name)
-    assert await scores(scorer, req, [a, pinned]) == {a: 0.0, pinned: 0.0}
+    assert await scores(scorer, req, [roomy, full, pinned]) == {roomy: 1.0, full: 0.0, pinned: 0.0}
     assert req.context.session.state is PinState.SATURATED
+
+
+async def test_a_saturated_pin_stays_while_no_other_replica_is_known_to_have_headroom():
+    """Moving to another saturated (or unknown) replica only trades the warm cache; the next
+    turn would leave that one too, and sessions flapped between saturated replicas every turn."""
+    svc = services(queue_depth_threshold=5)
+    scorer = scorer_for(svc)
+    full, unknown, pinned = endpoint(1), endpoint(2), endpoint(3)
+    with_metrics(full, waiting=9, running=10, kv=0.1)
+    with_metrics(unknown, waiting=0, kv=0.1, stale=True)
+    with_metrics(pinned, waiting=5, running=10, kv=0.95)
+    req = request(**SESSION)
+    svc.store.pin(req.session_id, pinned.name)
+    assert await scores(scorer, req, [full, unknown, pinned]) == {full: 0.0, unknown: 0.0, pinned: 1.0}
+    assert req.context.session.state is PinState.USABLE
 
 
 async def test_replica_just_below_saturation_keeps_its_session():

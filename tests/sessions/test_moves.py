@@ -7,7 +7,9 @@ scorers outweighed affinity on a healthy replica).
 
 from __future__ import annotations
 
-from tests.sessions.conftest import FAST, started_gateway, turn
+import itertools
+
+from tests.sessions.conftest import FAST, session_gateway_kw, started_gateway, turn
 from tests.support.harness import gateway_metrics, metric_value, wait_until
 from tests.support.upstreams import vllm_metrics
 
@@ -128,3 +130,55 @@ async def test_session_moves_when_its_replica_saturates_and_is_repinned(
 
 async def _not(check) -> bool:
     return not await check
+
+
+async def _conversations(client, sessions: int, turns: int) -> dict[str, list[str]]:
+    """``sessions`` conversations of growing histories, turn by turn; where each turn was served."""
+    served: dict[str, list[str]] = {}
+    for number in range(turns):
+        for s in range(sessions):
+            text = f"session {s} " * 100
+            history = [{"role": "user", "content": f"{text}turn {t}"} for t in range(number + 1)]
+            headers = {"x-session-id": f"s{s}"}
+            endpoint, _ = await turn(client, headers=headers, model="tiny", messages=history)
+            served.setdefault(f"s{s}", []).append(endpoint)
+    return served
+
+
+async def _scraped(http, gw, ups, value: int) -> None:
+    async def seen() -> bool:
+        text = await gateway_metrics(http, gw)
+        states = [metric_value(text, "llm_gateway_endpoint_saturated", endpoint=u.name) for u in ups]
+        return states == [value] * len(ups)
+
+    await wait_until(seen, 3.0, f"saturation == {value}")
+
+
+async def test_a_session_leaves_a_saturated_replica_only_for_one_with_headroom(
+    start_upstream, start_gateway, openai_client, http
+) -> None:
+    """Sessions pinned to saturated replicas used to move to another saturated one, and back on the
+    next turn (ABAB…: a cold cache every turn). A move now lands where there is room and stays."""
+    full = [await start_upstream(metrics_text=vllm_metrics(kv=0.95)) for _ in range(2)]
+    roomy = await start_upstream(metrics_text=vllm_metrics(kv=0.1))
+    gw = await started_gateway(start_gateway, [u.url for u in (*full, roomy)])
+    await _scraped(http, gw, full, 1)
+    await _scraped(http, gw, [roomy], 0)
+    served = await _conversations(openai_client(gw), sessions=8, turns=5)
+    for session, endpoints in served.items():
+        for before, after in itertools.pairwise(endpoints):
+            assert before == after or after == roomy.name, (session, endpoints)
+
+
+async def test_sessions_stay_on_their_saturated_replicas_when_none_has_headroom(
+    start_upstream, start_gateway, openai_client, http
+) -> None:
+    full = [await start_upstream(metrics_text=vllm_metrics(kv=0.95)) for _ in range(2)]
+    # Admission off: a fully saturated pool would queue these turns; routing is what is tested.
+    kw = session_gateway_kw()
+    gw = await start_gateway([u.url for u in full], admission={"enabled": False}, **kw)
+    await _scraped(http, gw, full, 1)
+    served = await _conversations(openai_client(gw), sessions=6, turns=4)
+    for session, endpoints in served.items():
+        assert len(set(endpoints)) == 1, (session, endpoints)  # moving would only trade the warm cache
+    assert await _moves(http, gw, "saturated") == 0
