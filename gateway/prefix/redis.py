@@ -17,10 +17,18 @@ The local :class:`MemoryPrefixIndex` sees every decision this instance makes; wh
 Redis is slow or down, ``match`` answers from it under the shared fallback policy of
 :class:`gateway.redis_guard.RedisGuard` (budget, skip window, log once, count, writes
 in the background) — a request never fails because of Redis.
+
+A purge (the replica went down, restarted or left: its cache is gone) that Redis missed — slow,
+down, or skipped in the guard's window — left the replica's blocks there for up to the TTL,
+and ``match`` took them as hits on a restarted, empty replica. Such a purge is remembered:
+until it reaches Redis the replica's remote counts are ignored, and it is retried as
+``ZREMRANGEBYSCORE … (purge time``, so blocks recorded after the purge survive it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +39,8 @@ from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.redis_guard import RedisGuard
 
 __all__ = ["RedisPrefixIndex", "endpoint_key"]
+
+log = logging.getLogger(__name__)
 
 # ARGV[2] is every block hash packed into one string, 8 bytes each: one argument to
 # encode instead of hundreds, which is most of the client-side cost of a call.
@@ -119,12 +129,16 @@ class RedisPrefixIndex:
         self._match_script = client.register_script(_MATCH)
         self._record_script = client.register_script(_RECORD)
         self._models: dict[str, set[str]] = {}  # endpoint → model namespaces it was recorded under
+        self._unpurged: dict[str, int] = {}  # key → when (µs) a purge of it did not reach Redis
+        self._purging: asyncio.Task[None] | None = None
 
     async def match(self, hashes: Sequence[int], endpoints: Sequence[str], model: str = "") -> dict[str, int]:
         local = self.local.match_now(hashes, endpoints)
         if not hashes or not endpoints:
             return local
         keys = [endpoint_key(self._prefix, model, e) for e in endpoints]
+        if self._unpurged:
+            self._purge_again_soon()
         min_score = int((time.time() - self.local.ttl_s) * 1e6)
         started = time.perf_counter()
         counts = await self._guard.call(self._match_script(keys=keys, args=[min_score, _pack(hashes)]))
@@ -132,8 +146,13 @@ class RedisPrefixIndex:
             return local  # Redis slow or down: this instance's own view
         self._on_latency(time.perf_counter() - started)
         # What this instance itself sent is known locally even when Redis lost it
-        # (e.g. Redis restarted empty): take the better of the two views.
-        return {e: max(int(c), local[e]) for e, c in zip(endpoints, counts, strict=True)}
+        # (e.g. Redis restarted empty): take the better of the two views. A key whose purge
+        # has not reached Redis yet holds a gone cache: only the local view counts.
+        unpurged = self._unpurged
+        return {
+            e: local[e] if unpurged and k in unpurged else max(int(c), local[e])
+            for e, k, c in zip(endpoints, keys, counts, strict=True)
+        }
 
     def record(self, hashes: Sequence[int], endpoint: str, model: str = "") -> None:
         self.local.record(hashes, endpoint)
@@ -152,7 +171,26 @@ class RedisPrefixIndex:
         names = set(models) | self._models.pop(endpoint, set())
         if names:
             keys = [endpoint_key(self._prefix, m, endpoint) for m in names]
-            await self._guard.call(self._client.delete(*keys), budget_s=0.5)
+            purged_at = int(time.time() * 1e6)
+            if await self._guard.call(self._client.delete(*keys), budget_s=0.5) is None:
+                self._unpurged.update(dict.fromkeys(keys, purged_at))  # one key per endpoint and model
+
+    def _purge_again_soon(self) -> None:
+        if not self._guard.available() or (self._purging is not None and not self._purging.done()):
+            return
+        self._purging = asyncio.get_running_loop().create_task(self._purge_again())
+
+    async def _purge_again(self) -> None:
+        try:
+            for key, purged_at in list(self._unpurged.items()):
+                # Only what was there before the purge: the replica's new blocks stay.
+                removed = self._client.zremrangebyscore(key, "-inf", f"({purged_at}")
+                if await self._guard.call(removed, budget_s=0.5) is None:
+                    return  # Redis is away again: the next match retries
+                if self._unpurged.get(key) == purged_at:
+                    del self._unpurged[key]
+        except Exception:  # never unseen; the next match retries
+            log.exception("retrying a purge of the Redis prefix index failed")
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
         self.local.set_capacity(endpoint, blocks)
@@ -172,8 +210,10 @@ class RedisPrefixIndex:
         return self.local.capacity(endpoint)
 
     async def flush(self) -> None:
-        """Wait for background writes (tests, shutdown)."""
+        """Wait for background writes and a purge being retried (tests, shutdown)."""
         await self._guard.flush()
+        if self._purging is not None:
+            await asyncio.gather(self._purging, return_exceptions=True)
 
     async def close(self) -> None:
         await self.flush()

@@ -9,12 +9,17 @@ the tests then assert that no fallback happened wherever Redis is supposed to an
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import aiohttp
 import openai
+import redis.asyncio as aioredis
 
 from gateway.prefix.hashing import block_hashes
+from gateway.prefix.memory import MemoryPrefixIndex
+from gateway.prefix.redis import RedisPrefixIndex
 from gateway.request.prompt import canonical_chat_prompt
 from tests.prefix.conftest import GatewayProcessless, RedisServer, gateway_config, scan_keys
 from tests.support.harness import metric_value
@@ -186,3 +191,43 @@ async def test_redis_outage_falls_back_and_recovers(
         assert all(k.startswith(f"{key_prefix}:{{{MODEL}}}:ep:") for k in keys)
     finally:
         await client.close()
+
+
+async def test_a_purge_redis_missed_is_retried_and_its_stale_blocks_never_count(redis_servers) -> None:
+    """A replica purged (down or restarted: its cache is gone) while Redis was paused kept its blocks
+    in Redis for up to the TTL, and a restarted, empty replica was predicted a full hit. The purge
+    is remembered: the stale remote count is ignored until it lands, then it is retried, and what
+    was recorded after the purge survives the retry."""
+    server = redis_servers()
+    assert server.proc is not None
+    old, fresh = list(range(1, 41)), list(range(100, 121))
+
+    def index(budget_s: float) -> RedisPrefixIndex:
+        return RedisPrefixIndex(
+            aioredis.from_url(server.url), MemoryPrefixIndex(), key_prefix="purge", budget_s=budget_s
+        )
+
+    gateway, other = index(0.05), index(1.0)  # other: a second instance, nothing of its own
+    try:
+        gateway.record(old, "a", MODEL)
+        await gateway.flush()
+        assert await other.match(old, ["a"], MODEL) == {"a": 40}
+
+        os.kill(server.proc.pid, signal.SIGSTOP)  # Redis pauses: one slow call, then the skip window
+        try:
+            assert await gateway.match(old, ["a"], MODEL) == {"a": 40}  # answered locally
+            await gateway.purge("a", [MODEL])  # the replica restarted: skipped, not reaching Redis
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert await other.match(old, ["a"], MODEL) == {"a": 40}  # still in Redis
+        await asyncio.sleep(1.1)  # the window is over
+        gateway.record(fresh, "a", MODEL)  # the restarted replica serves again
+        await gateway.flush()
+        assert await gateway.match(old, ["a"], MODEL) == {"a": 0}  # never the gone cache
+        await gateway.flush()  # the retried purge has run
+        assert await other.match(old, ["a"], MODEL) == {"a": 0}
+        assert await other.match(fresh, ["a"], MODEL) == {"a": 21}
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await gateway.close()
+        await other.close()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import redis.asyncio as aioredis
 
 from gateway.request.parse import session_key
 from tests.sessions.conftest import started_gateway, turn
-from tests.support.harness import gateway_metrics, metric_value, wait_until
+from tests.support.harness import chat_body, gateway_metrics, metric_value, wait_until
 
 SESSIONS = 6
 
@@ -78,3 +82,48 @@ async def test_redis_down_sessions_still_served_from_the_local_mirror(
     assert metric_value(text, "llm_gateway_session_store_fallbacks_total", reason="error") >= 1
     assert metric_value(text, "llm_gateway_session_hits_total") == 3 * len(ids) + 1
     assert (metric_value(text, "llm_gateway_session_moves_total") or 0) == 0
+
+
+async def test_a_session_moved_while_redis_paused_is_not_sent_back_by_its_old_redis_pin(
+    redis_servers, start_upstream, start_gateway, http
+) -> None:
+    """The move's write is dropped while the guard skips Redis (a second after one slow call); the
+    old pin stayed in Redis and, read back once Redis answered again, sent the session back to the
+    replica it had left. The move is now kept locally until its write lands, and rewritten."""
+    server = redis_servers()
+    a, b = await start_upstream(), await start_upstream()
+    gw = await started_gateway(
+        start_gateway, [a.url, b.url], backend="redis", redis_url=server.url, key_prefix="hiccup"
+    )
+
+    async def send(session: str) -> str:
+        headers = {"x-session-id": session}
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body(), headers=headers) as resp:
+            assert resp.status == 200
+            return resp.headers["x-gateway-endpoint"]
+
+    first = await send("conv")
+    await gw.state.sessions.store.flush()
+    old, new = (a, b) if first == a.name else (b, a)
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)  # one slow call opens the guard's skip window
+    try:
+        await send("someone-else")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    old.mode, old.status = "status", 500  # within the window, the pinned replica fails once
+    assert await send("conv") == new.name  # retried there, and re-pinned there
+    old.mode = "ok"
+    await asyncio.sleep(1.2)  # the window is over: Redis answers again
+    assert [await send("conv") for _ in range(3)] == [new.name] * 3
+
+    redis = aioredis.from_url(server.url, decode_responses=True)
+    try:
+
+        async def rewritten() -> bool:
+            await send("conv")  # a lookup lets the mirror rewrite what did not reach Redis
+            return await redis.get(f"hiccup:session:{{{session_key('conv')}}}") == new.name
+
+        await wait_until(rewritten, 3.0, "the move's pin to be rewritten to Redis")
+    finally:
+        await redis.aclose()
