@@ -185,18 +185,19 @@ _BOTH = Training(replica=True, fleet=True)
 
 
 class _TrainingBudget:
-    """A token bucket of answers per second (burst: one second's worth). An online fit gains
-    little from the thousandth answer in a second, and each observation costs ~5 µs on the
-    request path; at a low rate (a real engine's) every answer trains."""
+    """A token bucket of answers per second (burst: one second's worth, at least one answer). An
+    online fit gains little from the thousandth answer in a second, and each observation costs
+    ~5 µs on the request path; at a low rate (a real engine's) every answer trains."""
 
     __slots__ = ("_at", "_tokens")
 
     def __init__(self, rate: float, now: float) -> None:
-        self._tokens = rate
+        self._tokens = max(1.0, rate)
         self._at = now
 
     def take(self, rate: float, now: float) -> bool:
-        tokens = min(rate, self._tokens + (now - self._at) * rate)
+        # A bucket smaller than one answer (a rate below 1/s) would never train at all.
+        tokens = min(max(1.0, rate), self._tokens + (now - self._at) * rate)
         self._at = now
         if tokens >= 1.0:
             self._tokens = tokens - 1.0

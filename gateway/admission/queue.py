@@ -99,10 +99,11 @@ class AdmissionController:
         self.in_flight = 0
         self.critical_in_flight = 0
         self._critical: deque[_Waiter] = deque()
-        self._standard: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # tenant → FIFO
+        # tenant → model → its waiters, earliest deadline first: a saturated model's waiters are
+        # passed over in one step, not one by one, and hold up none of the tenant's others
+        self._standard: OrderedDict[str, dict[str, deque[_Waiter]]] = OrderedDict()
         self._queued_standard = 0
-        # Standard waiters by model: a new request queues behind those of its own model only
-        # (another model's saturated replicas say nothing about its own).
+        # Standard waiters by model: a new request queues behind those of its own model only.
         self._queued_models: Counter[str] = Counter()
         self._drain_scheduled = False
 
@@ -160,7 +161,7 @@ class AdmissionController:
             return self._decided(self._grant(Ticket(priority)), "admitted", "headroom")
         if self._queued_standard >= self._config.max_queue:
             raise self._refuse(priority, "queue_full", "the admission queue is full")
-        queue = self._standard.setdefault(request.tenant, deque())
+        queue = self._standard.setdefault(request.tenant, {}).setdefault(request.model, deque())
         return await self._wait(request, queue, slo_gated=slo_gated)
 
     async def _slo_gated(self, request: InferenceRequest) -> bool:
@@ -277,9 +278,11 @@ class AdmissionController:
             self._queued_models[model] -= 1
             if not self._queued_models[model]:
                 del self._queued_models[model]
-            tenant = waiter.request.tenant
-            if not queue and self._standard.get(tenant) is queue:
-                del self._standard[tenant]
+            models = self._standard.get(waiter.request.tenant)
+            if not queue and models is not None and models.get(model) is queue:
+                del models[model]
+                if not models:
+                    del self._standard[waiter.request.tenant]
         self._publish_queue()
 
     def wake(self) -> None:
@@ -292,7 +295,8 @@ class AdmissionController:
         """Grant at most one waiter per pass: the next pass sees its load counted."""
         self._drain_scheduled = False
         if not self._config.enabled:  # turned off by a reload: nobody waits for a limit any more
-            for waiting in (self._critical, *self._standard.values()):
+            standard = (q for models in self._standard.values() for q in models.values())
+            for waiting in (self._critical, *standard):
                 for waiter in waiting:
                     if not waiter.future.done():
                         waiter.future.set_result(None)
@@ -315,25 +319,27 @@ class AdmissionController:
             return state
 
         for tenant in list(self._standard):
-            candidate = self._next_waiter(self._standard[tenant], now, is_saturated)
+            candidate = None  # of the tenant's models: the earliest meetable, else the earliest overdue
+            for model, queue in list(self._standard[tenant].items()):
+                waiter = self._next_waiter(queue, now, grantable=not is_saturated(model))
+                if waiter is not None and (candidate is None or _rank(waiter, now) < _rank(candidate, now)):
+                    candidate = waiter
             if candidate is None:
                 continue
             candidate.future.set_result(None)
             self._standard.move_to_end(tenant)  # round-robin across tenants
             return
 
-    def _next_waiter(
-        self, queue: deque[_Waiter], now: float, is_saturated: Callable[[str], bool]
-    ) -> _Waiter | None:
+    def _next_waiter(self, queue: deque[_Waiter], now: float, grantable: bool) -> _Waiter | None:
         """Earliest deadline first among those still meetable, then the overdue ones.
 
         Plain EDF collapses under overload: it serves the most overdue requests first, all of
         which have missed already, while the meetable ones behind them go stale too. Without
         SLOs nothing is overdue while queued (due = arrival + queue_timeout_s): FIFO. A waiter
         with a TTFT deadline is skipped while no replica is predicted to meet it; once overdue
-        it is refused (``drop_overdue``) or served late like any other. A waiter whose model's
-        replicas are saturated is passed over: the tenant's waiters for other models are not
-        held behind it."""
+        it is refused (``drop_overdue``) or served late like any other. A queue whose model's
+        replicas are saturated (not ``grantable``) grants nothing: only its overdue waiters,
+        at its front, are looked at, for that refusal."""
         overdue = None
         scanned = 0
         drop = self._config.slo.drop_overdue
@@ -341,8 +347,8 @@ class AdmissionController:
             if waiter.future.done():
                 continue
             if waiter.due > now:
-                if is_saturated(waiter.request.model):
-                    continue
+                if not grantable:
+                    break  # ordered by deadline: nothing overdue behind it
                 if not waiter.slo_gated:
                     return waiter
                 if self._slo_verdict(waiter.request, now) is not False:
@@ -356,7 +362,7 @@ class AdmissionController:
                         waiter.request.priority, "slo_deadline_passed", "its TTFT deadline passed in queue"
                     )
                 )
-            elif overdue is None and not is_saturated(waiter.request.model):
+            elif overdue is None and grantable:
                 overdue = waiter
         return overdue
 
@@ -401,6 +407,10 @@ class AdmissionController:
 
 def _due(waiter: _Waiter) -> float:
     return waiter.due
+
+
+def _rank(waiter: _Waiter, now: float) -> tuple[bool, float]:  # meetable first, then by deadline
+    return waiter.due <= now, waiter.due
 
 
 def rewrite_body(request: InferenceRequest) -> None:

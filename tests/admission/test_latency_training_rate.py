@@ -25,6 +25,9 @@ def test_the_budget_takes_a_seconds_worth_then_refills_at_its_rate() -> None:
     assert sum(budget.take(10.0, 0.0) for _ in range(15)) == 10
     assert sum(budget.take(10.0, 0.5) for _ in range(15)) == 5
     assert sum(budget.take(10.0, 1000.0) for _ in range(15)) == 10  # idle time never banks more
+    slow = _TrainingBudget(0.5, now=0.0)  # below one a second: one answer every two seconds
+    taken = [slow.take(0.5, t) for t in (0.0, 0.5, 1.0, 2.0, 2.5, 4.0)]
+    assert taken == [True, False, False, True, False, True]
 
 
 def test_each_model_has_its_own_budget_and_forgetting_a_replica_drops_its_budget() -> None:

@@ -53,7 +53,8 @@ async def test_a_pass_that_saw_the_deadline_ahead_keeps_waiting_for_a_prediction
     controller = _controller(drop_overdue=True)
     deadline = time.monotonic() - 0.001  # passed by the time the verdict would read the clock again
     queue, waiter = _held(deadline)
-    assert controller._next_waiter(queue, now=deadline - 0.0005) is None  # not sent: nobody in time
+    # not sent: nobody in time
+    assert controller._next_waiter(queue, now=deadline - 0.0005, grantable=True) is None
     assert not waiter.future.done()
 
 
@@ -61,7 +62,7 @@ async def test_a_pass_after_the_deadline_drops_it_with_drop_overdue() -> None:
     controller = _controller(drop_overdue=True)
     deadline = time.monotonic() - 0.001
     queue, waiter = _held(deadline)
-    assert controller._next_waiter(queue, now=deadline + 0.0005) is None
+    assert controller._next_waiter(queue, now=deadline + 0.0005, grantable=True) is None
     exception = waiter.future.exception()
     assert exception is not None and "slo_deadline_passed" in exception.code
 
@@ -70,4 +71,4 @@ async def test_without_drop_overdue_it_is_served_late_once_past_its_deadline() -
     controller = _controller(drop_overdue=False)
     deadline = time.monotonic() - 0.001
     queue, waiter = _held(deadline)
-    assert controller._next_waiter(queue, now=deadline + 0.0005) is waiter
+    assert controller._next_waiter(queue, now=deadline + 0.0005, grantable=True) is waiter
