@@ -136,6 +136,9 @@ class _Breaker:
     open_until: float = 0.0
     last_ejected: float = 0.0
     probing: bool = False
+    # Closed at its probe's first byte, and no request to it has completed since: a failure now
+    # (its streams dying mid-way) re-ejects it at once, as a failed probe would.
+    probation: bool = False
     last_first_byte: float = 0.0
     waits: set[FirstByteWait] = field(default_factory=set)
 
@@ -192,9 +195,9 @@ class CircuitBreakers:
         if breaker.state is BreakerState.HALF_OPEN and not breaker.probing:
             breaker.probing = True  # this request is the probe; others wait for its verdict
             endpoint.ejected = True
+            if self.shared is not None and not self.shared.keep_probe(endpoint, time.monotonic()):
+                self._await_siblings_probe(breaker, time.monotonic())  # lapsed: a sibling probes, not this
             self._registry.rebuild()
-            if self.shared is not None:  # the claim is in use from now on
-                self.shared.keep_probe(endpoint, time.monotonic())
 
     def release_probe(self, endpoint: Endpoint) -> None:
         """The probe ended with no verdict (client gone, prefill partner failed): allow another."""
@@ -213,8 +216,17 @@ class CircuitBreakers:
         breaker = self._get(endpoint)
         breaker.window_ok.add(time.monotonic())
         breaker.consecutive_failures = 0
+        breaker.probation = False
         if breaker.state is BreakerState.HALF_OPEN:
             self._close(endpoint, breaker)
+
+    @staticmethod
+    def _await_siblings_probe(breaker: _Breaker, now: float) -> None:
+        """Out of rotation until the sibling that holds the probe claim publishes its verdict
+        (each review asks for the claim again: if that sibling died, the claim is free)."""
+        breaker.state = BreakerState.OPEN
+        breaker.open_until = now
+        breaker.probing = False
 
     def _close(self, endpoint: Endpoint, breaker: _Breaker) -> None:
         log.warning("endpoint %s: probe succeeded, back in rotation", endpoint.name)
@@ -233,7 +245,7 @@ class CircuitBreakers:
         breaker = self._get(endpoint)
         breaker.window_failed.add(now)
         breaker.consecutive_failures += 1
-        if breaker.state is BreakerState.HALF_OPEN:
+        if breaker.state is BreakerState.HALF_OPEN or breaker.probation:
             self._eject(endpoint, breaker, f"probe_{reason}", force=True)
         elif breaker.state is BreakerState.CLOSED and self._tripped(breaker, now):
             self._eject(endpoint, breaker, reason)
@@ -272,8 +284,9 @@ class CircuitBreakers:
         breaker.last_first_byte = time.monotonic()
         if breaker.state is BreakerState.HALF_OPEN and breaker.probing and self._current(endpoint):
             # The probe is answering: the replica is back now, not when its stream ends (minutes,
-            # for a long generation); a failure later in the stream counts like any other.
+            # for a long generation) — on probation until a request to it completes.
             self._close(endpoint, breaker)
+            breaker.probation = True
 
     def abort_waits(self, endpoint: Endpoint, reason: str) -> int:
         """Cut short every request waiting for this endpoint's first byte (they get re-sent)."""
@@ -298,7 +311,7 @@ class CircuitBreakers:
         breaker.state = BreakerState.OPEN
         breaker.open_until = now + duration
         breaker.last_ejected = now
-        breaker.probing = False
+        breaker.probing = breaker.probation = False
         breaker.consecutive_failures = 0
         endpoint.ejected = True
         self._registry.rebuild()
@@ -348,12 +361,11 @@ class CircuitBreakers:
                 changed = True
                 log.info("endpoint %s: half-open, the next request is a probe", endpoint.name)
             elif breaker.state is BreakerState.HALF_OPEN and self.shared is not None:
-                if breaker.probing:
-                    self.shared.keep_probe(endpoint, now)  # in flight: the claim is still in use
-                elif not self.shared.holds_probe(endpoint):
-                    # Our claim lapsed unused and a sibling took it: its probe, its verdict.
-                    breaker.state = BreakerState.OPEN
-                    breaker.open_until = now
+                # In flight, the claim is kept; unused, it may lapse. Lapsed and taken by a
+                # sibling: its probe, its verdict (an answer to ours no longer decides).
+                kept = self.shared.keep_probe(endpoint, now) if breaker.probing else None
+                if kept is False or (kept is None and not self.shared.holds_probe(endpoint)):
+                    self._await_siblings_probe(breaker, now)
                     endpoint.ejected = changed = True
             elif (
                 breaker.state is BreakerState.CLOSED

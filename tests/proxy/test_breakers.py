@@ -323,3 +323,21 @@ async def test_a_probe_that_streams_brings_the_replica_back_at_its_first_byte(
     assert served.count(flaky.name) == 2
     flaky.gate.set()
     assert (await asyncio.gather(*streams)).count(flaky.name) == 1  # one probe
+
+
+async def test_a_replica_whose_streams_die_after_the_probes_first_byte_is_ejected_again_at_once(
+    start_upstream, start_gateway, http
+):
+    """Closed at the probe's first byte, it is on probation until a request completes: its first
+    failure re-ejects it (forced, as a failed probe), not after consecutive_failures more."""
+    flaky, gw = await _flaky_ejected(start_upstream, start_gateway, http)
+    flaky.mode = "die"  # one event, then the connection is cut
+    await asyncio.sleep(0.6)  # half-open
+    endpoint = gw.state.registry.get(flaky.url)
+    for _ in range(4):  # round-robin: the probe lands on flaky within two
+        async with http.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp:
+            await resp.read()
+        if endpoint.ejected and await ejections(http, gw, flaky.name, "probe_mid_stream") == 1:
+            break
+    assert endpoint.ejected
+    assert await ejections(http, gw, flaky.name, "probe_mid_stream") == 1

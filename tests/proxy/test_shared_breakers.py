@@ -98,3 +98,22 @@ def test_a_claim_its_worker_never_uses_lapses_and_a_sibling_with_traffic_probes(
     second.on_success(a1)
     first.review(now + 5.0)
     assert first.state(a0) is BreakerState.CLOSED and not a0.ejected
+
+
+def test_a_worker_whose_claim_lapsed_sends_no_second_probe_and_waits_for_the_verdict(tmp_path):
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
+    first.on_failure(a0, "http_500")
+    first.on_failure(a0, "http_500")
+    second.review(time.monotonic())
+    now = time.monotonic() + 6.0
+    first.review(now)  # first claims, sends nothing
+    second.review(now + 1.5)  # lapsed: second claims and probes
+    second.on_send(a1)
+    first.on_send(a0)  # a request reaches first before its next review: not a second probe
+    assert first.state(a0) is BreakerState.OPEN and a0.ejected
+    first.on_success(a0)  # its answer decides nothing: the verdict is second's
+    assert first.state(a0) is BreakerState.OPEN
+    second.on_failure(a1, "http_500")  # second's probe failed: ejected again, everywhere
+    first.review(now + 2.0)
+    assert first.state(a0) is BreakerState.OPEN and a0.ejected
