@@ -108,7 +108,10 @@ async def _route(
         if stored is not None:
             candidates = [stored]
         else:  # a replica at endpoint_max_concurrency takes no more while another has room
-            candidates = state.admission.with_room(_candidates(state, request.model))
+            every = _candidates(state, request.model)
+            candidates = state.admission.with_room(every)
+            if len(candidates) < len(every):
+                request.context.at_cap = frozenset(e.name for e in every) - {e.name for e in candidates}
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)
         if state.access_log.enabled:

@@ -148,6 +148,7 @@ class RequestContext:
     session: SessionPin | None = None  # session affinity: the pin and whether it was usable
     latency: LatencySample | None = None  # latency model: features and prediction at send
     answer_head: bytes = b""  # proxy: the answer's first chunk (or body), for hooks that read ids
+    at_cap: frozenset[str] = frozenset()  # handler: replicas left out at endpoint_max_concurrency
 
 
 @dataclass(slots=True)

@@ -87,7 +87,8 @@ class SessionAffinity:
                     return None
                 pin.state = PinState.USABLE
                 return endpoint
-        pin.state = PinState.GONE
+        # Left out at its concurrency cap: saturated, not gone.
+        pin.state = PinState.SATURATED if pin.pinned in request.context.at_cap else PinState.GONE
         return None
 
     def with_headroom(self, candidates: Sequence[Endpoint]) -> list[Endpoint]:

@@ -25,6 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -37,6 +38,39 @@ log = logging.getLogger(__name__)
 
 _MAX_UNSYNCED = 10_000
 _RESYNC_BATCH = 256  # rewritten per pass (one pass per retry_after_s at most)
+
+
+# A change rewritten after an outage lands only if Redis still holds what this instance saw
+# before making it (``base``; none: the key absent): another instance's later write wins.
+# ARGV: [1] '1' with a base, [2] the base, [3] '1' to set, '0' to delete, [4] value, [5] PX ms
+_REWRITE = """
+local current = redis.call('GET', KEYS[1])
+if ARGV[1] == '1' then
+  if current ~= ARGV[2] then return 0 end
+elseif current then
+  return 0
+end
+if ARGV[3] == '1' then
+  redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+Value = str | bytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Change:
+    value: Value | None  # None: a delete
+    at: float  # time.monotonic() of the change
+    base: bytes | None  # what Redis held, as this instance last saw it, when the change was made
+    base_known: bool
+
+
+def _bytes(value: Value) -> bytes:
+    return value.encode() if isinstance(value, str) else value
 
 
 class RedisMirror:
@@ -59,8 +93,11 @@ class RedisMirror:
         self._guard = RedisGuard(
             name or f"{kind} store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
         )
-        # id → (value, or None for a delete; when it was changed): changes not yet in Redis
-        self._unsynced: OrderedDict[str, tuple[str | bytes | None, float]] = OrderedDict()
+        self._rewrite_script = client.register_script(_REWRITE)
+        self._unsynced: OrderedDict[str, _Change] = OrderedDict()  # changes not yet in Redis
+        # The last value read from or written to Redis per id (None: no such key): a change's base.
+        # A lookup and the change it leads to come in one request, so a small window suffices.
+        self._seen: OrderedDict[str, bytes | None] = OrderedDict()
         self._next_resync = 0.0
         self._resync: asyncio.Task[None] | None = None
 
@@ -68,33 +105,62 @@ class RedisMirror:
         return f"{self._keys}{{{item_id}}}"
 
     async def get(self, item_id: str) -> bytes | None:
+        """Redis's value; None when there is none, Redis is slow or down, or this instance's own
+        change is newer than what Redis holds (the caller answers from its local copy)."""
+        change = self._unsynced.get(item_id) if self._unsynced else None
         if self._unsynced:
             self._resync_soon()
-            if item_id in self._unsynced:
-                return None  # Redis holds an older value, or none: the local copy is the newer
-        return await self._guard.call(self._client.get(self.key(item_id)))
+        read = await self._guard.call(self._read(item_id))
+        if read is None:
+            return None  # Redis slow or down: the local copy
+        value = read[0]
+        if change is not None and self._unsynced.get(item_id) is change:
+            if change.base_known and value == change.base:
+                return None  # still what we saw before our change: ours is newer (rewritten soon)
+            if value == (None if change.value is None else _bytes(change.value)):
+                del self._unsynced[item_id]  # it landed after all
+            elif time.monotonic() - change.at > self._retry_after_s:
+                del self._unsynced[item_id]  # another instance wrote since: its value wins
+            else:
+                return None  # our write may still be in flight
+        return value
 
-    def set(self, item_id: str, value: str | bytes) -> None:
+    async def _read(self, item_id: str) -> tuple[bytes | None]:
+        value = await self._client.get(self.key(item_id))
+        self._saw(item_id, value)
+        return (value,)
+
+    def _saw(self, item_id: str, value: bytes | None) -> None:
+        self._seen[item_id] = value
+        self._seen.move_to_end(item_id)
+        while len(self._seen) > _MAX_UNSYNCED:
+            self._seen.popitem(last=False)
+
+    def set(self, item_id: str, value: Value) -> None:
         """Write (with the TTL) in the background."""
         self._change(item_id, value)
 
     def delete(self, item_id: str) -> None:
         self._change(item_id, None)
 
-    def _change(self, item_id: str, value: str | bytes | None) -> None:
-        change = (value, time.monotonic())
+    def _change(self, item_id: str, value: Value | None) -> None:
+        known = item_id in self._seen
+        change = _Change(value, time.monotonic(), self._seen.get(item_id), known)
         self._unsynced[item_id] = change
         self._unsynced.move_to_end(item_id)
         while len(self._unsynced) > _MAX_UNSYNCED:
             self._unsynced.popitem(last=False)
         self._guard.spawn(self._write(item_id, change))
 
-    async def _write(self, item_id: str, change: tuple[str | bytes | None, float]) -> None:
-        value = change[0]
-        if value is None:
+    async def _write(self, item_id: str, change: _Change) -> None:
+        if change.value is None:
             await self._client.delete(self.key(item_id))
         else:
-            await self._client.set(self.key(item_id), value, px=self._ttl_ms)
+            await self._client.set(self.key(item_id), change.value, px=self._ttl_ms)
+        self._landed(item_id, change)
+
+    def _landed(self, item_id: str, change: _Change) -> None:
+        self._saw(item_id, None if change.value is None else _bytes(change.value))
         if self._unsynced.get(item_id) is change:  # nothing newer since: it is in Redis
             del self._unsynced[item_id]
 
@@ -107,11 +173,11 @@ class RedisMirror:
             return
         self._next_resync = now + self._retry_after_s
         stale = now - self._retry_after_s  # younger ones may still be in flight
-        due = [(i, c) for i, c in list(self._unsynced.items())[:_RESYNC_BATCH] if c[1] < stale]
+        due = [(i, c) for i, c in list(self._unsynced.items())[:_RESYNC_BATCH] if c.at < stale]
         if due:
             self._resync = asyncio.get_running_loop().create_task(self._rewrite(due))
 
-    async def _rewrite(self, due: list[tuple[str, tuple[str | bytes | None, float]]]) -> None:
+    async def _rewrite(self, due: list[tuple[str, _Change]]) -> None:
         try:
             for item_id, change in due:
                 if self._unsynced.get(item_id) is not change:
@@ -121,8 +187,15 @@ class RedisMirror:
         except Exception:  # a bug here must not pass unseen; the next pass tries again
             log.exception("rewriting unsynced changes to Redis failed")
 
-    async def _rewritten(self, item_id: str, change: tuple[str | bytes | None, float]) -> bool:
-        await self._write(item_id, change)
+    async def _rewritten(self, item_id: str, change: _Change) -> bool:
+        base = change.base or b""
+        args = ["1" if change.base_known and change.base is not None else "0", base]
+        args += ["0", b""] if change.value is None else ["1", change.value]
+        landed = await self._rewrite_script(keys=[self.key(item_id)], args=[*args, self._ttl_ms])
+        if landed:
+            self._landed(item_id, change)
+        elif self._unsynced.get(item_id) is change:
+            del self._unsynced[item_id]  # Redis moved on (another instance's write): that wins
         return True
 
     async def flush(self) -> None:

@@ -3,10 +3,9 @@
 A scorer, not a hard pin: the pinned replica scores 1 while it is a candidate
 (healthy, serves the model) and not saturated — or saturated while no other candidate is
 known to have headroom: moving then would only trade its warm cache for another full
-replica. When it is saturated and others have headroom, those score 1, so the session moves
-to one of them, not to another saturated replica (which the next turn would leave again).
-With no usable pin and none saturated, nobody scores on this signal; the other scorers pick,
-and the session is re-pinned there (by the session hook, which counts the move and why).
+replica, which the next turn would leave again. Otherwise nobody scores on this signal, the
+other scorers pick the best replica (``session-balance`` only among those with headroom), and
+the session is re-pinned there (by the session hook, which counts the move and why).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 from gateway.fleet.endpoint import Endpoint
 from gateway.request.types import InferenceRequest
 from gateway.scheduling.framework import PluginContext
-from gateway.sessions.affinity import PinState, SessionAffinity
+from gateway.sessions.affinity import SessionAffinity
 from policies.params import Params
 
 TYPE_NAME = "session-affinity"
@@ -33,10 +32,6 @@ class SessionAffinityScorer:
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
         pinned = self._affinity.usable_pin(request, candidates)
-        pin = request.context.session
-        if pinned is None and pin is not None and pin.state is PinState.SATURATED:
-            room = set(self._affinity.with_headroom(candidates))
-            return {e: 1.0 if e in room else 0.0 for e in candidates}
         return {e: 1.0 if e is pinned else 0.0 for e in candidates}
 
 

@@ -68,7 +68,7 @@ async def test_pinned_replica_not_a_candidate_is_gone():
     assert req.context.session.state is PinState.GONE
 
 
-async def test_saturated_pinned_replica_lets_the_session_move_to_one_with_headroom():
+async def test_saturated_pinned_replica_lets_the_session_move_when_another_has_headroom():
     svc = services(queue_depth_threshold=5)
     scorer = scorer_for(svc)
     roomy, full, pinned = endpoint(1), endpoint(2), endpoint(3)
@@ -77,7 +77,7 @@ async def test_saturated_pinned_replica_lets_the_session_move_to_one_with_headro
     with_metrics(pinned, waiting=5, running=10, kv=0.1)
     req = request(**SESSION)
     svc.store.pin(req.session_id, pinned.name)
-    assert await scores(scorer, req, [roomy, full, pinned]) == {roomy: 1.0, full: 0.0, pinned: 0.0}
+    assert await scores(scorer, req, [roomy, full, pinned]) == {roomy: 0.0, full: 0.0, pinned: 0.0}
     assert req.context.session.state is PinState.SATURATED
 
 

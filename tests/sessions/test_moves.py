@@ -7,6 +7,7 @@ scorers outweighed affinity on a healthy replica).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from tests.sessions.conftest import FAST, session_gateway_kw, started_gateway, turn
@@ -182,3 +183,32 @@ async def test_sessions_stay_on_their_saturated_replicas_when_none_has_headroom(
     for session, endpoints in served.items():
         assert len(set(endpoints)) == 1, (session, endpoints)  # moving would only trade the warm cache
     assert await _moves(http, gw, "saturated") == 0
+
+
+async def test_a_session_whose_replica_is_at_its_concurrency_cap_moves_as_saturated_not_gone(
+    stack, start_upstream, start_gateway, http
+) -> None:
+    ups = [await start_upstream() for _ in range(2)]
+    gw = await start_gateway(
+        [u.url for u in ups], admission={"endpoint_max_concurrency": 1}, **session_gateway_kw()
+    )
+    session = {"x-session-id": "capped"}
+
+    async def send(stream: bool) -> str:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=session) as resp:
+            await resp.read()
+            return resp.headers["x-gateway-endpoint"]
+
+    pinned = await send(False)
+    busy = next(u for u in ups if u.name == pinned)
+    busy.mode = "gated"  # its next stream holds its one slot
+    stack.callback(busy.gate.set)
+    held = asyncio.create_task(send(True))
+    await asyncio.wait_for(busy.first_chunk_sent.wait(), 3.0)
+    moved = await send(False)
+    assert moved != pinned
+    assert await _moves(http, gw, "saturated") == 1
+    assert await _moves(http, gw, "gone") == 0
+    busy.gate.set()
+    assert await held == pinned

@@ -9,6 +9,7 @@ import signal
 import redis.asyncio as aioredis
 
 from gateway.request.parse import session_key
+from gateway.sessions.store import MemorySessionStore, RedisSessionStore
 from tests.sessions.conftest import started_gateway, turn
 from tests.support.harness import chat_body, gateway_metrics, metric_value, wait_until
 
@@ -127,3 +128,41 @@ async def test_a_session_moved_while_redis_paused_is_not_sent_back_by_its_old_re
         await wait_until(rewritten, 3.0, "the move's pin to be rewritten to Redis")
     finally:
         await redis.aclose()
+
+
+async def test_a_change_redis_missed_never_overwrites_another_instances_later_one(redis_servers) -> None:
+    """Instance A pins a session while Redis is paused (its write is lost); once Redis is back,
+    instance B pins it elsewhere. A must take B's pin, and its rewrite of the lost change must
+    not put its older pin back over B's."""
+    server = redis_servers()
+    assert server.proc is not None
+
+    def instance() -> RedisSessionStore:
+        local = MemorySessionStore(600.0, 1000)
+        return RedisSessionStore(
+            aioredis.from_url(server.url), local, key_prefix="two", budget_s=0.05, retry_after_s=0.3
+        )
+
+    a, b = instance(), instance()
+    raw = aioredis.from_url(server.url)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            a.pin("s", "r1")
+            await a.flush()  # the write timed out
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(0.4)  # Redis is back
+        assert await b.get("s") is None
+        b.pin("s", "r2")
+        await b.flush()
+        assert await a.get("s") == "r2"  # B's later pin, not A's lost one
+        await asyncio.sleep(0.4)
+        await a.get("another")  # a lookup lets A rewrite what it lost: not over B's pin
+        await a.flush()
+        assert await raw.get("two:session:{s}") == b"r2"
+        assert await b.get("s") == "r2"
+    finally:
+        await raw.aclose()
+        await a.close()
+        await b.close()
