@@ -10,6 +10,7 @@ periodic loop survives any error of a round.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from gateway.config import HealthConfig
+from gateway.fleet.bodies import read_bounded
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.interval import Interval
 from gateway.fleet.lora import adapter_parents
@@ -185,7 +187,7 @@ class HealthChecker:
         ) as resp:
             if resp.status != 200:
                 return frozenset()
-            payload = await resp.json(content_type=None)
+            payload = json.loads(await read_bounded(resp))
         self._listed_at[endpoint.url] = time.monotonic()
         try:
             models = parse_model_ids(payload)

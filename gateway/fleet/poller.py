@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from gateway.config import ScrapeConfig
+from gateway.fleet.bodies import read_bounded
 from gateway.fleet.dp import update_rank_loads
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.interval import Interval
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _BURST_LOOKS = 6  # scrapes at most per burst-triggered look (admission waits burst_settle_s at most)
 _BURST_LOOK_GAP_S = 0.01
+_PARSE_OFF_LOOP_CHARS = 1 << 20
 
 
 def _unseen(target: Endpoint, sent: int) -> bool:
@@ -162,8 +164,11 @@ class MetricsPoller:
             ) as resp:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
-                text = await resp.text()
-            load = parse_engine_metrics(text, endpoint.engine)
+                text = (await read_bounded(resp)).decode(resp.charset or "utf-8")
+            if len(text) > _PARSE_OFF_LOOP_CHARS:  # a page far past an engine's ~60 KB: off the loop
+                load = await asyncio.to_thread(parse_engine_metrics, text, endpoint.engine)
+            else:
+                load = parse_engine_metrics(text, endpoint.engine)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             if endpoint in self._registry:
                 self._metrics.scrape_errors.labels(endpoint.name).inc()

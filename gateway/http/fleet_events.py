@@ -46,6 +46,7 @@ class FleetEvents:
         state = self._state
         for each in (endpoint, *endpoint.rank_targets):
             state.metrics.forget_endpoint(each.name)
+            state.prefix.drop(each.name)
         if state.plugin_context.latency is not None:
             state.plugin_context.latency.forget(endpoint.name)
 

@@ -231,6 +231,18 @@ class PrefixCache:
 
     async def forget(self, endpoint: Endpoint) -> None:
         """Endpoint removed, restarted or down: nothing we recorded for it is true any more."""
-        await self.index.purge(endpoint.name, tuple(endpoint.models))
+        name = endpoint.name
+        await self.index.purge(name, tuple(endpoint.models))
+        if name in self._engine_capacity or name in self._trust:
+            # The purge dropped its bound too; the engine reports the same KV size after a restart,
+            # which the scrape re-applies only when it changes: without this, the default for good.
+            self._apply_capacity(name)
         if self.exact is not None:
             self.exact.forget(endpoint)
+
+    def drop(self, name: str) -> None:
+        """The endpoint left the fleet: its KV size, trust and exact-index state go too."""
+        self._engine_capacity.pop(name, None)
+        self._trust.pop(name, None)
+        if self.exact is not None:
+            self.exact.drop(name)

@@ -126,6 +126,12 @@ class ExactPrefix:
         if endpoint.metrics.num_blocks:
             self.index.set_capacity(endpoint.name, endpoint.metrics.num_blocks)
 
+    def drop(self, name: str) -> None:
+        """Left the fleet: its entry and series (the event follower drops them too, but only
+        for a replica it had started following: one that left within a second kept them)."""
+        self.index.clear(name, "removed")
+        self.metrics.forget(name)
+
     def forget(self, endpoint: Endpoint) -> None:
         """Removed, restarted or down. A live stream stays in sequence (a restart breaks its
         connection, and every reconnection starts the state over), so only a dead one's goes."""
