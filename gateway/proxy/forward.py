@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
 
 from aiohttp import HttpVersion11, web
 
@@ -33,7 +32,7 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
 from gateway.proxy.hooks import HookSet, Outcome
 from gateway.proxy.limits import wait_limit
-from gateway.proxy.pd import PDCoordinator, PDLeg
+from gateway.proxy.pd import PDCoordinator, unless_prefill_fails
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.resilience import CircuitBreakers, backoff_s
 from gateway.proxy.sse import (
@@ -55,8 +54,6 @@ from gateway.request.types import InferenceRequest
 from gateway.scheduling.result import SchedulingResult
 
 __all__ = ["STREAM_STARTED", "Proxy", "ProxySettings"]
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +189,7 @@ class Proxy:
         verdict: str | None = None  # "ok", or the endpoint's failure; None: not its fault
         upstream: UpstreamResponse | None = None
         try:
-            upstream = await self._unless_prefill_fails(request, self._open(request, endpoint, attempt, body))
+            upstream = await unless_prefill_fails(request, self._open(request, endpoint, attempt, body))
             headers = {"x-gateway-endpoint": endpoint.name, **extra_headers}
             hooks.on_headers(request, endpoint, headers)
             if upstream.status >= 500:
@@ -352,6 +349,16 @@ class Proxy:
         idle_s = attempt.settings.timeouts.idle_s
         events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
         head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
+        on_first = partial(self._first_byte, request, endpoint, attempt)
+        if upstream.ended_cleanly:  # all of it is here (a short answer): headers, events, end: one write
+            whole = head + events.complete(upstream.take_buffered()) + events.flush()
+            request.context.streamed_chunks += whole.count(b"data:")
+            if whole:
+                on_first()
+            self._report_usage(request, endpoint, attempt, whole[-4096:])
+            await self._end_body(http_request, response, whole, idle_s)
+            self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
+            return response, True
         try:
             async with asyncio.timeout_at(wait_limit(attempt.deadline, idle_s)):
                 await response.write(head)  # a client that left raises here, on purpose
@@ -360,31 +367,33 @@ class Proxy:
         transport = http_request.transport
         if transport is None:
             raise ConnectionResetError("the client went away mid-stream")
-        on_first: Callable[[], None] | None = partial(self._first_byte, request, endpoint, attempt)
         if head:
             request.context.streamed_chunks += head.count(b"data:")
             on_first()
-            on_first = None  # else the relay's first whole event is the first byte
-        relay = StreamRelay(upstream, transport, http_request.writer, request.context, events, head, on_first)
+        first = None if head else on_first  # else the relay's first whole event is the first byte
+        relay = StreamRelay(upstream, transport, http_request.writer, request.context, events, head, first)
         failure = await relay.run(attempt.deadline, idle_s)
-        previous, last = relay.previous, relay.last
-        try:
-            async with asyncio.timeout(idle_s):  # the closing writes wait on the client: bounded too
-                if failure is None and (tail := events.flush()):  # the upstream's last bytes
-                    await response.write(tail)
-                    previous, last = last, tail
-                if failure is not None:
-                    log.warning("request %s: %s", request.request_id, failure)
-                    self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
-                    mid_event = bool(last) and not ends_event(last)
-                    await response.write(error_event(failure, mid_event=mid_event, api=request.api))
-                else:
-                    self._report_usage(request, endpoint, attempt, previous[-2048:] + last[-2048:])
-                await response.write_eof()
-        except TimeoutError:
-            raise self._client_stopped_reading(http_request) from None
+        if failure is None:
+            last = relay.closing()  # the events that came with the end: written with it, in one write
+            self._report_usage(request, endpoint, attempt, relay.previous[-2048:] + relay.last[-2048:])
+        else:
+            log.warning("request %s: %s", request.request_id, failure)
+            self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
+            mid_event = bool(relay.last) and not ends_event(relay.last)
+            last = error_event(failure, mid_event=mid_event, api=request.api)
+        await self._end_body(http_request, response, last, idle_s)
         self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
         return response, failure is None
+
+    async def _end_body(
+        self, http_request: web.Request, response: web.StreamResponse, last: bytes, idle_s: float
+    ) -> None:
+        """The stream's last bytes and its end, in one write; it waits on the client: bounded too."""
+        try:
+            async with asyncio.timeout(idle_s):
+                await response.write_eof(last)
+        except TimeoutError:
+            raise self._client_stopped_reading(http_request) from None
 
     def _first_byte(self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt) -> None:
         """The stream's first whole event reached the client."""
@@ -408,33 +417,13 @@ class Proxy:
             limit_at = wait_limit(attempt.deadline, attempt.settings.timeouts.first_byte_s)
             async with asyncio.timeout_at(limit_at) as limit:
                 with self._breakers.first_byte_wait(endpoint, limit) as wait:
-                    return await self._unless_prefill_fails(request, read_past_role_chunk(request, upstream))
+                    return await unless_prefill_fails(request, read_past_role_chunk(request, upstream))
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
                 raise Retryable(wait.aborted) from None
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
             raise Retryable("disconnected") from exc
-
-    def _unless_prefill_fails(self, request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> Awaitable[T]:
-        """``wait`` (itself, without a running SGLang prefill leg), unless that leg fails first."""
-        leg = request.context.pd.leg if request.context.pd is not None else None
-        if leg is None or leg.task is None or leg.task.done():
-            return wait
-        return self._race_prefill(wait, leg.task, leg)
-
-    @staticmethod
-    async def _race_prefill(wait: Coroutine[Any, Any, T], prefill: asyncio.Task[None], leg: PDLeg) -> T:
-        waiting = asyncio.ensure_future(wait)
-        try:
-            await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
-            if not waiting.done() and leg.failed:
-                raise Retryable("prefill_failed")
-            return await waiting
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                await asyncio.gather(waiting, return_exceptions=True)
 
     def _report_usage(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, tail: bytes

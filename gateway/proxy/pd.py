@@ -25,8 +25,9 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
@@ -34,11 +35,12 @@ from gateway.errors import UpstreamError
 from gateway.fleet.dp import RANK_HEADER
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.attempt import Retryable
 from gateway.proxy.hooks import Outcome, RequestHooks
 from gateway.proxy.upstream import ConnectFailed, ConnectionLost, ResponseTooLarge, UpstreamClient
 from gateway.request.types import InferenceRequest
 
-__all__ = ["PDCoordinator", "PDLeg", "PDState"]
+__all__ = ["PDCoordinator", "PDLeg", "PDState", "unless_prefill_fails"]
 
 log = logging.getLogger(__name__)
 
@@ -236,3 +238,27 @@ def _headers(request: InferenceRequest, endpoint: Endpoint) -> dict[str, str]:
     if endpoint.dp_rank is not None:  # a data-parallel rank target (fleet/dp.py)
         headers[RANK_HEADER] = str(endpoint.dp_rank)
     return headers
+
+
+T = TypeVar("T")
+
+
+def unless_prefill_fails(request: InferenceRequest, wait: Coroutine[Any, Any, T]) -> Awaitable[T]:
+    """``wait`` (itself, without a running SGLang prefill leg), unless that leg fails first."""
+    leg = request.context.pd.leg if request.context.pd is not None else None
+    if leg is None or leg.task is None or leg.task.done():
+        return wait
+    return _race_prefill(wait, leg.task, leg)
+
+
+async def _race_prefill(wait: Coroutine[Any, Any, T], prefill: asyncio.Task[None], leg: PDLeg) -> T:
+    waiting = asyncio.ensure_future(wait)
+    try:
+        await asyncio.wait((waiting, prefill), return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done() and leg.failed:
+            raise Retryable("prefill_failed")
+        return await waiting
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)

@@ -7,7 +7,8 @@ gateway's CPU on a paced stream. Here the upstream connection's body callback cu
 events, writes them to the client's transport and counts them; the handler's task sleeps
 until the stream ends, breaks, stalls or the client stops reading, and nothing wakes it
 per event. The idle limit is checked when it would expire (one timer per ``idle_s``), not
-rearmed per event.
+rearmed per event. The events that arrive with the upstream's end are not written here: the
+handler writes them with the chunked body's terminator, in one write (:meth:`StreamRelay.closing`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StreamRelay:
         "_events",
         "_loop",
         "_on_first",
+        "_tail",
         "_transport",
         "_upstream",
         "_waiter",
@@ -77,6 +79,7 @@ class StreamRelay:
         self._error: ConnectionLost | None = None
         self._blocked = False
         self._client_gone = False
+        self._tail = b""
         self.previous = b""
         self.last = last  # the usage object sits in the last chunks of the stream
         self.last_data = self._loop.time()
@@ -114,10 +117,25 @@ class StreamRelay:
         except Exception:  # in the socket's callback: never let it break the connection
             log.exception("first-byte bookkeeping failed")
 
-    def end(self, error: ConnectionLost | None) -> None:
+    def end(self, error: ConnectionLost | None, tail: bytes) -> None:
         self._ended = True
         self._error = error
+        self._tail = tail
         self._wake()
+
+    def closing(self) -> bytes:
+        """After a clean end: the stream's last whole events, not yet written (those that came
+        with the end, and whatever the upstream left unterminated), counted as written; the
+        caller writes them with the end of the body."""
+        chunk = self._events.complete(self._tail) + self._events.flush()
+        self._tail = b""
+        if chunk:
+            self._context.streamed_chunks += chunk.count(b"data:")
+            self.previous = self.last
+            self.last = chunk
+            if self._on_first is not None:
+                self._first_event()
+        return chunk
 
     def _wake(self) -> None:
         waiter = self._waiter

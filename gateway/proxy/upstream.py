@@ -87,6 +87,9 @@ class _Connection(asyncio.Protocol):
             self._fail("unexpected protocol upgrade")
         except httptools.HttpParserError as exc:
             self._fail(f"malformed upstream response: {exc}")
+        response = self._response
+        if response is not None:
+            response._delivered()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -25,11 +25,13 @@ _LOW_WATER = 64 * 1024
 
 
 class BodySink(Protocol):
-    """Where :meth:`UpstreamResponse.relay_to` sends a body (:mod:`gateway.proxy.relay`)."""
+    """Where :meth:`UpstreamResponse.relay_to` sends a body (:mod:`gateway.proxy.relay`): once
+    per socket read, and the end with the bytes that came in its read (``tail``; on a clean end
+    only — a broken one gets them fed first), so that they can go out with the end in one write."""
 
     def feed(self, data: bytes) -> None: ...
 
-    def end(self, error: ConnectionLost | None) -> None: ...
+    def end(self, error: ConnectionLost | None, tail: bytes) -> None: ...
 
 
 class UpstreamClientError(Exception):
@@ -65,6 +67,7 @@ class UpstreamResponse:
         "_done",
         "_error",
         "_on_end",
+        "_pending",
         "_sink",
         "_waiter",
         "headers",
@@ -82,6 +85,7 @@ class UpstreamResponse:
         self._error: ConnectionLost | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._sink: BodySink | None = None
+        self._pending: list[bytes] = []  # for the sink: this read's body parts so far
 
     @property
     def content_type(self) -> str:
@@ -91,9 +95,8 @@ class UpstreamResponse:
     def _feed(self, data: bytes) -> None:
         if self._done:  # never after its end (the connection is torn down instead)
             return
-        sink = self._sink
-        if sink is not None:
-            sink.feed(data)
+        if self._sink is not None:  # delivered once the read is parsed (a chunked body's parts: one call)
+            self._pending.append(data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -101,11 +104,24 @@ class UpstreamResponse:
             self._conn.pause_reading()
         self._wake()
 
+    def _delivered(self) -> None:
+        """A socket read was parsed: what it held goes to the sink in one call."""
+        if self._pending and self._sink is not None:
+            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+            self._pending.clear()
+            self._sink.feed(data)
+
     def _finish(self, error: ConnectionLost | None = None) -> None:
         self._done = True
         self._error = error
-        if self._sink is not None:
-            self._sink.end(error)
+        sink = self._sink
+        if sink is not None:
+            tail = b"".join(self._pending)
+            self._pending.clear()
+            if error is not None and tail:
+                sink.feed(tail)
+                tail = b""
+            sink.end(error, tail)
         self._wake()
 
     def _wake(self) -> None:
@@ -152,13 +168,27 @@ class UpstreamResponse:
         it arrives, and its end to ``sink.end``: nobody awaits :meth:`readany` per chunk.
         What arrived before is handed over first."""
         self._sink = sink
-        if self._chunks:
-            data = b"".join(self._drain())
-            self._buffered = 0
+        data = b"".join(self._drain()) if self._chunks else b""
+        self._buffered = 0
+        if self._done and self._error is None:
+            sink.end(None, data)  # it all came already: it goes out with the end
+            return
+        if data:
             sink.feed(data)
         self._conn.resume_reading()
         if self._done:
-            sink.end(self._error)
+            sink.end(self._error, b"")
+
+    @property
+    def ended_cleanly(self) -> bool:
+        """The whole body is here (buffered, or handed over): the upstream ended without error."""
+        return self._done and self._error is None
+
+    def take_buffered(self) -> bytes:
+        """What arrived and nobody read yet (all of the rest, once :attr:`ended_cleanly`)."""
+        data = b"".join(self._drain())
+        self._buffered = 0
+        return data
 
     def unrelay(self) -> None:
         """Back to :meth:`readany`: nothing more reaches the sink."""
