@@ -187,7 +187,7 @@ class HealthChecker:
         ) as resp:
             if resp.status != 200:
                 return frozenset()
-            payload = json.loads(await read_bounded(resp))
+            payload = json.loads(await read_bounded(resp))  # JSON is UTF-8 (RFC 8259), whatever it says
         self._listed_at[endpoint.url] = time.monotonic()
         try:
             models = parse_model_ids(payload)

@@ -9,6 +9,7 @@ most once per ``burst_min_interval_s`` per endpoint and never two at a time.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import logging
 import math
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 _BURST_LOOKS = 6  # scrapes at most per burst-triggered look (admission waits burst_settle_s at most)
 _BURST_LOOK_GAP_S = 0.01
 _PARSE_OFF_LOOP_CHARS = 1 << 20
+
+
+def _known_charset(charset: str | None) -> str:
+    """The page's charset if Python knows it, else UTF-8 (what every engine sends)."""
+    try:
+        return codecs.lookup(charset).name if charset else "utf-8"
+    except LookupError:
+        return "utf-8"
 
 
 def _unseen(target: Endpoint, sent: int) -> bool:
@@ -137,7 +146,11 @@ class MetricsPoller:
 
     async def scrape_all(self) -> None:
         endpoints = list(self._registry)
-        await asyncio.gather(*(self._scrape(e) for e in endpoints))
+        # One endpoint's unforeseen failure must not cost the round (the others' staleness below).
+        outcomes = await asyncio.gather(*(self._scrape(e) for e in endpoints), return_exceptions=True)
+        for endpoint, outcome in zip(endpoints, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                log.warning("scrape of %s failed unexpectedly: %r", endpoint.name, outcome)
         urls = {e.url for e in endpoints}
         for url in self._last_marker.keys() - urls:  # removed endpoints
             del self._last_marker[url]
@@ -164,7 +177,7 @@ class MetricsPoller:
             ) as resp:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
-                text = (await read_bounded(resp)).decode(resp.charset or "utf-8")
+                text = (await read_bounded(resp)).decode(_known_charset(resp.charset))
             if len(text) > _PARSE_OFF_LOOP_CHARS:  # a page far past an engine's ~60 KB: off the loop
                 load = await asyncio.to_thread(parse_engine_metrics, text, endpoint.engine)
             else:

@@ -245,8 +245,10 @@ class CircuitBreakers:
         breaker = self._get(endpoint)
         breaker.window_failed.add(now)
         breaker.consecutive_failures += 1
-        if breaker.state is BreakerState.HALF_OPEN or breaker.probation:
+        if breaker.state is BreakerState.HALF_OPEN:  # out of rotation already: no share to keep
             self._eject(endpoint, breaker, f"probe_{reason}", force=True)
+        elif breaker.probation:  # back in rotation: within max_ejected_fraction like any ejection
+            self._eject(endpoint, breaker, f"probe_{reason}")
         elif breaker.state is BreakerState.CLOSED and self._tripped(breaker, now):
             self._eject(endpoint, breaker, reason)
 

@@ -115,10 +115,10 @@ class RedisMirror:
             return None  # Redis slow or down: the local copy
         value = read[0]
         if change is not None and self._unsynced.get(item_id) is change:
-            if change.base_known and value == change.base:
-                return None  # still what we saw before our change: ours is newer (rewritten soon)
             if value == (None if change.value is None else _bytes(change.value)):
                 del self._unsynced[item_id]  # it landed after all
+            elif value is None or (change.base_known and value == change.base):
+                return None  # absent, or what we saw before our change: ours is newer (rewritten soon)
             elif time.monotonic() - change.at > self._retry_after_s:
                 del self._unsynced[item_id]  # another instance wrote since: its value wins
             else:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
-from gateway.proxy.resilience import RetryBudget, SlidingCounter, backoff_s
+from gateway.config import ResilienceConfig
+from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.registry import EndpointRegistry
+from gateway.ops.metrics import GatewayMetrics
+from gateway.proxy.resilience import CircuitBreakers, RetryBudget, SlidingCounter, backoff_s
 from tests.support.harness import (
     chat_body,
     debug_endpoints,
@@ -341,3 +346,21 @@ async def test_a_replica_whose_streams_die_after_the_probes_first_byte_is_ejecte
             break
     assert endpoint.ejected
     assert await ejections(http, gw, flaky.name, "probe_mid_stream") == 1
+
+
+def test_a_failure_on_probation_is_still_held_to_max_ejected_fraction():
+    a, b = (Endpoint(u, configured_models=frozenset({"m"}), healthy=True) for u in ("http://a:1", "http://b:1"))
+    registry = EndpointRegistry([a, b])
+    config = ResilienceConfig(consecutive_failures=2, ejection_s=0.05, max_ejected_fraction=0.5)
+    breakers = CircuitBreakers(config, registry, GatewayMetrics())
+    breakers.on_failure(a, "http_500")
+    breakers.on_failure(a, "http_500")
+    time.sleep(0.06)
+    breakers.review()  # half-open
+    breakers.on_send(a)
+    breakers.on_first_byte(a)  # the probe answers: back, on probation
+    breakers.on_failure(b, "http_500")
+    breakers.on_failure(b, "http_500")  # b is the one replica of two allowed out
+    assert b.ejected and not a.ejected
+    breakers.on_failure(a, "mid_stream")
+    assert not a.ejected  # the model keeps a replica

@@ -9,6 +9,7 @@ import signal
 import redis.asyncio as aioredis
 
 from gateway.request.parse import session_key
+from gateway.sessions.responses import MemoryResponseStore, RedisResponseStore, ResponseRecord
 from gateway.sessions.store import MemorySessionStore, RedisSessionStore
 from tests.sessions.conftest import started_gateway, turn
 from tests.support.harness import chat_body, gateway_metrics, metric_value, wait_until
@@ -166,3 +167,39 @@ async def test_a_change_redis_missed_never_overwrites_another_instances_later_on
         await raw.aclose()
         await a.close()
         await b.close()
+
+
+async def test_a_record_stored_while_redis_was_away_reaches_it_even_if_read_back_first(redis_servers) -> None:
+    """Stored in the guard's skip window (its write dropped), then read back by this instance once
+    Redis answered (no such key there): the read took the absent key for another instance's
+    write and dropped the change, so no other instance ever learned the record."""
+    server = redis_servers()
+    assert server.proc is not None
+    store = RedisResponseStore(
+        aioredis.from_url(server.url), MemoryResponseStore(600.0, 1000), key_prefix="lost",
+        budget_s=0.05, retry_after_s=0.3,
+    )  # fmt: skip
+    raw = aioredis.from_url(server.url)
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            await store.get("warm-up")  # times out: the guard skips Redis for 0.3 s
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(0.15)
+        store.put("resp_1", ResponseRecord("replica-a", "chain-1", None))  # in the window: dropped
+        await asyncio.sleep(0.17)
+        await store.get("other")  # the window is over: a rewrite pass, resp_1 not yet due in it
+        await asyncio.sleep(0.17)  # resp_1 is past the window now, the next pass not yet due
+        assert (await store.get("resp_1")) == ResponseRecord("replica-a", "chain-1", None)
+        await asyncio.sleep(0.35)  # older than the window: rewritten at the next lookup
+
+        async def landed() -> bool:
+            await store.get("other")
+            await store.flush()
+            return await raw.get("lost:response:{resp_1}") is not None
+
+        await wait_until(landed, 3.0, "the record to be rewritten to Redis")
+    finally:
+        await raw.aclose()
+        await store.close()

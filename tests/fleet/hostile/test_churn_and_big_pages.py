@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
+from aiohttp import web
+
 from tests.fleet.discovery.dnsserver import running_dns
 from tests.support.harness import chat_body, gateway_metrics, metric_value, wait_until
-from tests.support.upstreams import vllm_metrics
+from tests.support.upstreams import Upstream, vllm_metrics
 
 KV_SIZE = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",engine="0"} 1\n'
 FAST = {"health": {"interval_s": 0.05, "timeout_s": 1.0}, "scrape": {"interval_s": 0.05, "timeout_s": 1.0}}
@@ -91,3 +93,30 @@ async def test_a_huge_metrics_page_is_a_failed_scrape_and_requests_go_on(start_u
     await wait_until(failing, 5.0, "the oversize page to count as failed scrapes")
     async with http.post(gw.url + "/v1/chat/completions", json=chat_body()) as resp:
         assert resp.status == 200
+
+
+class _OddCharset(Upstream):
+    """Serves its page as ``text/plain; charset=bogus`` (a codec Python does not know)."""
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_asked += 1
+        if self.metrics_mode == "error":
+            return web.Response(status=500, text="broken")
+        odd = {"content-type": "text/plain; charset=bogus"}
+        return web.Response(body=self.metrics_text.encode(), headers=odd)
+
+
+async def test_an_unknown_charset_neither_stops_start_up_nor_the_others_scrapes(stack, start_gateway, http):
+    odd = _OddCharset()
+    await odd.start()
+    stack.push_async_callback(odd.stop)
+    other = _OddCharset()
+    other.metrics_text = vllm_metrics(waiting=3.0)
+    await other.start()
+    stack.push_async_callback(other.stop)
+    gw = await start_gateway([odd.url, other.url], **FAST)  # started: the page was read as UTF-8
+    odd_ep, other_ep = gw.state.registry.get(odd.url), gw.state.registry.get(other.url)
+    await wait_until(lambda: _is(other_ep.metrics.waiting == 3.0), 3.0, "the page read despite its charset")
+    other.metrics_mode = "error"  # the other replica's scrapes fail: it must go stale
+    await wait_until(lambda: _is(other_ep.metrics.stale), 5.0, "the failing replica to go stale")
+    assert not odd_ep.metrics.stale
