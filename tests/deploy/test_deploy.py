@@ -32,6 +32,7 @@ from gateway.auth.keyfile import KeyFileError, load_keys_file
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.fleet.discovery.kubernetes import Skip, endpoint_from_pod
 from gateway.http.app import build_app
+from gateway.http.presets import DEFAULT_POLICY, preset, scheduler_specs
 from gateway.http.server import start_site
 from gateway.http.state import STATE
 from tests.fleet.discovery.apiserver import make_pod, running_apiserver
@@ -179,6 +180,26 @@ def test_dashboard_shape():
         "histogram_quantile(0.99, sum by (le, model) (rate(llm_gateway_request_duration_seconds_bucket"
         in exprs
     )
+
+
+# Gauges every worker (and every gateway replica) reports for the same endpoint: the engine's own
+# numbers and 0/1 states are taken once per endpoint (max); the gateway's in-flight counts are
+# each worker's view of the whole gateway (max over workers), summed over gateway replicas.
+_ONCE_PER_ENDPOINT = re.compile(
+    r"llm_gateway_endpoint_(queue_depth|running_requests|kv_cache_utilization|healthy|metrics_stale"
+    r"|saturated|ejected)\b"
+)
+_PER_GATEWAY = re.compile(
+    r"llm_gateway_endpoint_(in_flight_requests|in_flight_prompt_tokens|pending_prefill_tokens)\b"
+)
+
+
+def test_dashboard_never_adds_up_what_each_worker_reports_for_the_whole_gateway():
+    for expr in dashboard_exprs():
+        if (m := _ONCE_PER_ENDPOINT.search(expr)) is not None:
+            assert f"max by (endpoint) ({m.group(0)})" in expr, expr
+        if (m := _PER_GATEWAY.search(expr)) is not None:
+            assert f"max without (worker) ({m.group(0)})" in expr, expr
 
 
 def test_rules_structure():
@@ -408,6 +429,17 @@ def test_example_config_has_the_configmap_structure():
     assert len(config.endpoints) >= 1 and config.discovery.kubernetes is None and not config.auth.enabled
     assert config.prefix.backend == config.sessions.backend == config.auth.limits_backend == "memory"
     build_app(config)
+
+
+def test_the_example_spells_out_the_default_preset_as_it_says():
+    config = load_config(EXAMPLE, environ={})
+    plugins, profiles = scheduler_specs(config)
+    default_plugins, default_profiles = preset(DEFAULT_POLICY)
+    names = [(p.type, p.instance_name) for p in plugins]
+    assert names == [(p.type, p.instance_name) for p in default_plugins]
+    assert [(r.ref, r.weight) for r in profiles[0].plugins] == [
+        (r.ref, r.weight) for r in default_profiles[0].plugins
+    ]
 
 
 def test_discovery_never_selects_the_gateway_itself(tmp_path):

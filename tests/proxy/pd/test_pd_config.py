@@ -10,11 +10,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from gateway.cli import _serve_overrides, build_parser
 from gateway.config import ConfigError, load_config
-from tests.proxy.pd.helpers import MODEL, long_prompt, pd_counts, stop_process
+from tests.proxy.pd.helpers import MODEL, endpoints, finished, gw_metric, long_prompt, pd_counts, stop_process
 from tests.support.harness import free_port
+
+REPO = Path(__file__).resolve().parents[3]
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -100,3 +103,26 @@ async def test_cli_serve_quick_flags_subprocess(start_sim, http: aiohttp.ClientS
         assert pd_counts(decode) == (1, 0)
     finally:
         await stop_process(proc)
+
+
+async def test_the_shipped_pd_example_disaggregates(start_sim, start_gateway, http) -> None:
+    """deploy/k8s/examples/vllm-pd/gateway.yml: its own plugins replace every preset. They were
+    one profile without role filters or pd-disagg: nothing was disaggregated and the prefill
+    replicas got whole client requests."""
+    example = yaml.safe_load((REPO / "deploy/k8s/examples/vllm-pd/gateway.yml").read_text())
+    routing = {key: example[key] for key in ("pd", "plugins", "profiles")}
+    routing["pd"] = {**routing["pd"], "decider": "always"}
+    routing["plugins"] = [
+        {**p, "parameters": {**p["parameters"], "decider": "always"}} if p["type"] == "pd-disagg" else p
+        for p in routing["plugins"]
+    ]
+    prefill = await start_sim(engine="vllm", role="prefill")
+    decode = await start_sim(engine="vllm", role="decode")
+    gw = await start_gateway(endpoints("vllm", [prefill], [decode]), **routing)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt()}], "max_tokens": 4}
+    for _ in range(3):
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    assert pd_counts(decode) == (3, 0)  # every decode came with its prefill's KV
+    assert finished(prefill) == 3  # the prefill replica ran prefill legs only (max_tokens 1)
+    assert await gw_metric(http, gw, "llm_gateway_pd_decisions_total", mode="disaggregated") == 3
