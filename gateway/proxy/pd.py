@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
 from gateway.errors import UpstreamError
-from gateway.fleet.dp import RANK_HEADER
+from gateway.fleet.dp import RANK_HEADER, other_servers_first
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Retryable
@@ -100,7 +100,8 @@ class PDCoordinator:
             state = request.context.pd = PDState()
         state.leg = None
         state.deadline = deadline
-        untried = [e for e in prefill_ranked if e not in state.failed_prefill]
+        # Another prefill server before another rank of one that failed (it fails on every rank).
+        untried = [e for e in other_servers_first(prefill_ranked) if e not in state.failed_prefill]
         for endpoint in untried[: 1 + retries]:
             if self._config.protocol == "sglang":
                 state.leg = self._start_sglang(request, endpoint, hooks)
