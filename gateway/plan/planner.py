@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 GB = 10**9
+_MAX_GPU_MEM_GB = 1e6  # a petabyte per GPU: past any real device, and past it the sums overflow
+_MAX_PARAMS_B = 1e6  # a quadrillion parameters
 KIB = 1024
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1}
 MAX_GPUS_PER_REPLICA = 1024  # 128 eight-GPU nodes: beyond this, the plan is not a memory question
@@ -144,16 +146,21 @@ class PlanRequest:
             raise PlanError(f"--context must be at least 1 token, got {self.context}")
         if self.users < 1:
             raise PlanError(f"--users must be at least 1 concurrent conversation, got {self.users}")
-        if not (self.gpu_mem_gb > 0 and math.isfinite(self.gpu_mem_gb)):
-            raise PlanError(f"--gpu-mem-gb must be a positive number, got {self.gpu_mem_gb}")
+        if not (0 < self.gpu_mem_gb <= _MAX_GPU_MEM_GB):  # NaN fails it too; 1e300 overflowed later
+            raise PlanError(
+                f"--gpu-mem-gb must be a positive number up to {_MAX_GPU_MEM_GB:g}, got {self.gpu_mem_gb}"
+            )
         if not 0 < self.usable <= 1:
             raise PlanError(f"--usable must be in (0, 1], got {self.usable}")
         if self.min_conversations < 1:
             raise PlanError(f"--min-conversations must be at least 1, got {self.min_conversations}")
         if self.gpus_per_node < 1:
             raise PlanError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
-        if not (0 < self.model.params_b < math.inf) or self.model.kv_bytes_per_token_bf16 <= 0:
-            raise PlanError(f"model {self.model.name!r} needs a positive parameter count and KV size")
+        if not (0 < self.model.params_b <= _MAX_PARAMS_B) or self.model.kv_bytes_per_token_bf16 <= 0:
+            raise PlanError(
+                f"model {self.model.name!r} needs a positive parameter count (up to {_MAX_PARAMS_B:g} B)"
+                " and KV size"
+            )
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,9 @@ def test_compare_json(capsys: pytest.CaptureFixture[str]) -> None:
         (("--model", "llama-3-8b", "--params-b", "7"), "either --model or"),
         (("--usable", "1.5"), "--usable must be in (0, 1]"),
         (("--gpu-mem-gb", "0.001"), "does not fit on 1024 GPUs"),
+        # finite but huge: overflowed into a traceback (exit 1) once multiplied out
+        (("--gpu-mem-gb", "1e300"), "--gpu-mem-gb must be a positive number up to"),
+        (("--params-b", "1e300", "--layers", "80", "--kv-heads", "8", "--head-dim", "128"), "up to 1e+06 B"),
     ],
 )
 def test_invalid_input_exits_2(
