@@ -9,7 +9,9 @@ fresh metrics contributes a *pressure*:
 where 1.0 means "exactly at target". The pool needs ``sum(pressure) / (1 - headroom)``
 replicas, rounded up, at least 1: the headroom keeps warm spare capacity for bursts
 (scale-up takes minutes on GPUs). Replicas with stale metrics count as at target (1.0),
-so a metrics outage neither scales a pool to zero nor doubles it. KEDA or an HPA on
+so a metrics outage neither scales a pool to zero nor doubles it. A data-parallel replica
+(one pod, N ranks) is one replica: its pressure is its ranks' mean, its queue their sum —
+counted per rank, a pool of two 4-rank pods read as 8 replicas and asked for 9. KEDA or an HPA on
 external metrics reads ``llm_gateway_pool_desired_replicas{pool=...}`` (see deploy/k8s).
 """
 
@@ -32,7 +34,7 @@ class PoolSignal:
     pool: str
     current: int
     desired: int
-    kv_utilization: float  # mean over replicas with fresh metrics
+    kv_utilization: float  # mean over replicas (their ranks) with fresh metrics
     queue_depth: float  # sum of waiting requests over replicas with fresh metrics
 
 
@@ -45,15 +47,19 @@ def pool_signals(endpoints: Iterable[Endpoint], config: AutoscaleConfig) -> list
     for pool, members in sorted(pools.items()):
         pressure, kv_values, waiting_total = 0.0, [], 0.0
         for endpoint in members:
-            m = endpoint.metrics
-            if not m.fresh():
-                pressure += 1.0
-                continue
-            kv = m.kv_usage if m.kv_usage is not None and math.isfinite(m.kv_usage) else 0.0
-            waiting = m.waiting if m.waiting is not None and math.isfinite(m.waiting) else 0.0
-            kv_values.append(kv)
-            waiting_total += waiting
-            pressure += max(kv / config.kv_target, waiting / config.queue_target)
+            ranks = endpoint.rank_targets or (endpoint,)
+            replica_pressure = 0.0
+            for rank in ranks:
+                m = rank.metrics
+                if not m.fresh():
+                    replica_pressure += 1.0
+                    continue
+                kv = m.kv_usage if m.kv_usage is not None and math.isfinite(m.kv_usage) else 0.0
+                waiting = m.waiting if m.waiting is not None and math.isfinite(m.waiting) else 0.0
+                kv_values.append(kv)
+                waiting_total += waiting
+                replica_pressure += max(kv / config.kv_target, waiting / config.queue_target)
+            pressure += replica_pressure / len(ranks)
         desired = max(1, math.ceil(pressure / (1.0 - config.headroom) - 1e-9))
         mean_kv = sum(kv_values) / len(kv_values) if kv_values else 0.0
         signals.append(PoolSignal(pool, len(members), desired, mean_kv, waiting_total))

@@ -72,16 +72,18 @@ def sync_target(replica: Endpoint, target: Endpoint) -> None:
     target.adapters = replica.adapters  # LoRA adapters are loaded server-wide, on every rank
 
 
-def sync_targets(replica: Endpoint) -> None:
-    """Per-URL state onto the rank targets (called by every registry rebuild).
+def sync_targets(replica: Endpoint) -> list[Endpoint]:
+    """Per-URL state onto the rank targets (called by every registry rebuild); the dropped ones.
 
     A replica that goes down loses learned ranks: it may come back with another
     ``--data-parallel-size``, and a header naming a rank it no longer has is a 400. Until
     its next scrape it routes as one target, without the header."""
-    if not replica.healthy and replica.data_parallel_size is None:
-        replica.rank_targets = ()
+    dropped: list[Endpoint] = []
+    if not replica.healthy and replica.data_parallel_size is None and replica.rank_targets:
+        dropped, replica.rank_targets = list(replica.rank_targets), ()
     for target in replica.rank_targets:
         sync_target(replica, target)
+    return dropped
 
 
 def set_ranks(replica: Endpoint, ranks: Sequence[int]) -> list[Endpoint]:

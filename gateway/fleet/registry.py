@@ -10,7 +10,7 @@ import base64
 import functools
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -99,6 +99,9 @@ class EndpointRegistry:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._known_models: frozenset[str] = frozenset()
         self.version = 0  # bumped by every rebuild: who caches per-endpoint state sees a change
+        # Rank targets that stopped existing (down, or fewer configured ranks): their state and
+        # series go (wired by the app; the scrape's own drops are the poller's).
+        self.on_dropped_targets: Callable[[list[Endpoint]], None] = lambda targets: None
         for endpoint in endpoints:
             self.add(endpoint, rebuild=False)
         self.rebuild()
@@ -128,7 +131,8 @@ class EndpointRegistry:
 
     def add(self, endpoint: Endpoint, *, rebuild: bool = True) -> None:
         if endpoint.data_parallel_size is not None:  # configured: its ranks route from the start
-            set_ranks(endpoint, range(endpoint.data_parallel_size))
+            if dropped := set_ranks(endpoint, range(endpoint.data_parallel_size)):
+                self.on_dropped_targets(dropped)
         self._endpoints[endpoint.url] = endpoint
         if rebuild:
             self.rebuild()
@@ -144,14 +148,17 @@ class EndpointRegistry:
         self.version += 1
         by_model: dict[str, list[Endpoint]] = {}
         known: set[str] = set()
+        dropped: list[Endpoint] = []
         for endpoint in self._endpoints.values():
             known.update(endpoint.models)
-            sync_targets(endpoint)
+            dropped += sync_targets(endpoint)
             if endpoint.healthy and not endpoint.ejected and not endpoint.draining:
                 for model in endpoint.models:
                     by_model.setdefault(model, []).extend(endpoint.rank_targets or (endpoint,))
         self._by_model = by_model
         self._known_models = frozenset(known)
+        if dropped:
+            self.on_dropped_targets(dropped)
 
     def candidates(self, model: str) -> list[Endpoint]:
         """Routable endpoints serving ``model``: healthy, not ejected, not draining (shared list)."""

@@ -257,7 +257,7 @@ def build_app(
         state.auth = TenantAuth(config.auth, metrics)
     metrics.watch_endpoints(registry.targets, prefix.size, prefix.capacity)
     metrics.sessions_active.set_function(sessions.store.active)
-    metrics.registry.register(AutoscaleCollector(registry.targets, config.autoscale))
+    metrics.registry.register(AutoscaleCollector(lambda: list(registry), config.autoscale))  # replicas
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state
@@ -306,6 +306,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     state.probe = health.check
     state.health_checker = health
     state.membership.on_removed = events.on_removed
+    state.registry.on_dropped_targets = events.on_dropped_targets
     state.membership.on_added = events.on_added
     state.membership.on_replaced = events.on_replaced
     state.plugin_context.saturation.pool_waiting = pool_waiting = lambda e: client.waiting(e.url)

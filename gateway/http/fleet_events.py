@@ -26,19 +26,39 @@ class FleetEvents:
         self._forget_tasks: set[asyncio.Task[None]] = set()
         self._probe_tasks: set[asyncio.Task[None]] = set()
 
-    def forget(self, endpoint: Endpoint) -> None:
-        """Its cached blocks are gone (a restart, down): drop them from the prefix index."""
-        for each in (endpoint, *endpoint.rank_targets):  # a data-parallel replica: every rank's state
-            task = asyncio.get_running_loop().create_task(self._state.prefix.forget(each))
-            self._forget_tasks.add(task)
-            task.add_done_callback(self._forget_tasks.discard)
+    def forget(self, endpoint: Endpoint, *, then_series: bool = False) -> None:
+        """Its cached blocks are gone (a restart, down): drop them from the prefix index;
+        ``then_series``: it left for good, its series and state go once that is done (not
+        before: the purge would re-create an exact-index gauge the removal had dropped)."""
+        task = asyncio.get_running_loop().create_task(self._forget(endpoint, then_series))
+        self._forget_tasks.add(task)
+        task.add_done_callback(self._forget_tasks.discard)
+
+    async def _forget(self, endpoint: Endpoint, then_series: bool) -> None:
+        try:
+            for each in (endpoint, *endpoint.rank_targets):  # a data-parallel replica: every rank's state
+                await self._state.prefix.forget(each)
+        finally:
+            if then_series and self._gone(endpoint):  # not back meanwhile: else the series are its new self's
+                self.forget_series(endpoint)
+
+    def _gone(self, endpoint: Endpoint) -> bool:
+        registry = self._state.registry
+        if endpoint.dp_rank is None:
+            return registry.get(endpoint.url) is None
+        return all(t.name != endpoint.name for t in registry.targets())
+
+    def on_dropped_targets(self, targets: list[Endpoint]) -> None:
+        """Data-parallel ranks that are gone (their replica down, or configured with fewer)."""
+        for target in targets:
+            self.forget(target, then_series=True)
 
     def on_removed(self, endpoints: list[Endpoint]) -> None:
         state = self._state
         for endpoint in endpoints:
-            self.forget(endpoint)
             state.breakers.forget(endpoint.url)
-            self.forget_series(endpoint)
+            self.forget_series(endpoint)  # at once: a scrape must not find them (and again after the purge)
+            self.forget(endpoint, then_series=True)
             self._client.remove(endpoint.url)  # idle connections close now, busy ones when done
 
     def forget_series(self, endpoint: Endpoint) -> None:

@@ -7,6 +7,7 @@ import math
 
 from gateway.config import AutoscaleConfig
 from gateway.fleet.autoscale import pool_signals
+from gateway.fleet.dp import rank_target
 from gateway.fleet.endpoint import Endpoint, Role
 from tests.support.harness import gateway_metrics, metric_value, wait_until
 
@@ -45,6 +46,32 @@ def test_pools_are_separate_and_unhealthy_replicas_do_not_count() -> None:
 def test_stale_replicas_count_as_at_target() -> None:
     (signal,) = pool_signals([_endpoint(1, fresh=False), _endpoint(2, fresh=False)], CONFIG)
     assert signal.desired == 3  # 2 × 1.0 / 0.8 = 2.5 → 3: neither collapses nor explodes
+
+
+def test_a_data_parallel_replica_is_one_replica_of_its_ranks_mean_pressure() -> None:
+    fleet = []
+    for n in (1, 2):
+        pod = _endpoint(n)
+        pod.rank_targets = tuple(rank_target(pod, r) for r in range(4))
+        for rank in pod.rank_targets:  # every rank exactly at the KV target
+            rank.metrics.kv_usage, rank.metrics.waiting = 0.5, 0.0
+            rank.metrics.scraped_at, rank.metrics.stale = 1.0, False
+        fleet.append(pod)
+    (signal,) = pool_signals(fleet, CONFIG)
+    assert (signal.current, signal.desired) == (2, 3)  # 2 × 1.0 / 0.8 → 3, not 8 → 10
+    assert signal.kv_utilization == 0.5
+
+
+async def test_the_exported_pool_counts_replicas_not_their_ranks(start_sim, start_gateway, http) -> None:
+    sims = [await start_sim(model="m", data_parallel_size=4) for _ in range(2)]
+    gw = await start_gateway([s.url for s in sims], scrape={"interval_s": 0.1})
+
+    async def ranks_learned() -> bool:
+        return len(gw.state.registry.targets()) == 8
+
+    await wait_until(ranks_learned, 5.0, "both replicas' four ranks")
+    text = await gateway_metrics(http, gw)
+    assert metric_value(text, "llm_gateway_pool_current_replicas", pool="both") == 2
 
 
 async def test_desired_replicas_follow_simulated_load(start_sim, start_gateway, http) -> None:
