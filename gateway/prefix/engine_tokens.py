@@ -37,7 +37,7 @@ from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.turn_tokens import TurnTokens
 from gateway.request.types import InferenceRequest
 
-__all__ = ["EngineTokens", "tokenize_body"]
+__all__ = ["EngineTokens", "TokenCache", "tokenize_body"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,36 @@ def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | Non
     return None
 
 
+class TokenCache:
+    """Prompt tokens by key, least recently used out first: at most ``entries`` prompts and
+    ``max_tokens`` tokens (4,096 long prompts by count alone would be gigabytes)."""
+
+    def __init__(self, entries: int, max_tokens: int = 16_000_000) -> None:
+        self._entries = entries
+        self._max_tokens = max_tokens
+        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+        self.tokens = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._cache
+
+    def get(self, key: bytes) -> array[int] | None:
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+        return cached
+
+    def put(self, key: bytes, tokens: list[int]) -> None:
+        if not self._entries:
+            return
+        stored = array("I", tokens)
+        replaced = self._cache.pop(key, None)
+        self.tokens += len(stored) - (len(replaced) if replaced is not None else 0)
+        self._cache[key] = stored
+        while len(self._cache) > self._entries or self.tokens > self._max_tokens:
+            self.tokens -= len(self._cache.popitem(last=False)[1])
+
+
 class EngineTokens:
     def __init__(
         self,
@@ -98,8 +128,7 @@ class EngineTokens:
         self.local = local
         self._metrics = metrics
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._entries = cache_entries
-        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._cache = TokenCache(cache_entries)
         self._turns = TurnTokens(cache_entries) if reuse_turns and cache_entries else None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -122,7 +151,6 @@ class EngineTokens:
         key = self._key(request, body)
         cached = self._cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(key)
             self._metrics.tokenize.labels("cached").inc()
             return cached.tolist()
         return await self._fetch(request, body, key, endpoint, None)
@@ -163,10 +191,7 @@ class EngineTokens:
         tokens = await self._resolve(request, body, endpoint)
         if tokens is None:
             return None
-        if self._entries:
-            self._cache[key] = array("I", tokens)
-            while len(self._cache) > self._entries:
-                self._cache.popitem(last=False)
+        self._cache.put(key, tokens)
         if turns is not None and "messages" in body:
             turns.store(request, body, tokens)
             if previous is not None and not turns.verify(request.model, previous, tokens):

@@ -117,7 +117,11 @@ class LocalTokens:
 
     async def tokens(self, request: InferenceRequest) -> list[int] | None:
         """The prompt's engine tokens computed here, or None (counted by reason)."""
-        if len(request.prompt_text) > self.settings.max_prompt_chars:
+        # The prompt text leaves out tools and counts a message as a few characters: a body of
+        # 13 MB of tools, or 200,000 tiny messages, passed it and rendered (on the loop) and
+        # encoded for seconds. What the template renders is bounded by the body's size first.
+        limit = self.settings.max_prompt_chars
+        if len(request.prompt_text) > limit or len(request.raw_body) > limit:
             self._fallback("too_long")
             return None
         tokenizer = await self.tokenizer(request.model)
@@ -127,6 +131,8 @@ class LocalTokens:
         started = time.perf_counter()
         try:
             prepared = tokenizer.prepare(request.api, request.body)
+            if len(prepared.text) > limit:
+                raise Unsupported("too_long")
             # A worker thread waits for the GIL twice (to start, and after the encode, which
             # releases it) while the loop runs: up to the 5 ms switch interval each, more than
             # encoding ~4k tokens costs here (1.5 ms). Shorter work stays on the loop. Text that

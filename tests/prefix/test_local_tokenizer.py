@@ -17,6 +17,7 @@ from gateway.config import load_config
 from gateway.config.kv_events import TokenizerConfig
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.chat_template import Unsupported, conversation, render
+from gateway.prefix.engine_tokens import TokenCache
 from gateway.prefix.local_tokenizer import LocalTokenizer, find_tokenizer_dir
 from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.template_format import content_format
@@ -192,8 +193,10 @@ def test_a_configured_directory_without_a_tokenizer_is_a_config_error(tiny_dir: 
 class _Request:
     """What LocalTokens reads of an InferenceRequest."""
 
-    def __init__(self, body: dict[str, Any], api: str = "chat") -> None:
-        self.body, self.api, self.model, self.prompt_text = body, api, "m", json.dumps(body)
+    def __init__(self, body: dict[str, Any], api: str = "chat", prompt_text: str | None = None) -> None:
+        self.body, self.api, self.model = body, api, "m"
+        self.raw_body = json.dumps(body).encode()
+        self.prompt_text = json.dumps(body) if prompt_text is None else prompt_text
 
 
 async def test_a_model_is_trusted_after_its_checks_and_dropped_at_a_mismatch(tiny_dir: Path) -> None:
@@ -241,3 +244,44 @@ async def test_long_new_text_is_encoded_in_the_pool_and_short_on_the_loop(tiny_d
         pooled_here = where[0].startswith("llmgw-tokenize")
         assert len(where) == 1 and pooled_here is pooled, (text[:9], inline_chars, where)
         local.close()
+
+
+async def test_a_body_past_the_limit_is_not_rendered_whatever_its_prompt_text_says(tiny_dir: Path) -> None:
+    """The prompt text leaves out tools and counts a message as a few characters: 13 MB of tools
+    passed ``max_prompt_chars`` and were rendered and encoded for seconds (review, 2026-12-05)."""
+    rendered: list[str] = []
+
+    class Recording(LocalTokenizer):
+        def prepare(self, api: Any, body: dict[str, Any]) -> Any:
+            rendered.append(api)
+            return super().prepare(api, body)
+
+    local = LocalTokens(
+        TokenizerConfig(path=str(tiny_dir), source="local", max_prompt_chars=10_000),
+        KVEventMetrics(CollectorRegistry()),
+    )
+    local._by_dir = {d: Recording(tiny_dir) for d in local._by_dir}
+    tool = {"type": "function", "function": {"name": "f", "description": "x" * 20_000, "parameters": {}}}
+    huge_tools = {**chat(("user", "hi")), "tools": [tool]}
+    many_messages = chat(*[("user", "a")] * 2_000)
+    for body in (huge_tools, many_messages):
+        assert await local.tokens(_Request(body, prompt_text="hi")) is None
+    assert rendered == []
+    assert await local.tokens(_Request(chat(("user", "hi")))) is not None  # within it: rendered
+    assert rendered == ["chat"]
+    local.close()
+
+
+def test_the_token_cache_is_bounded_in_tokens_as_well_as_prompts() -> None:
+    cache = TokenCache(entries=4, max_tokens=10)
+    for key, length in ((b"a", 4), (b"b", 4), (b"c", 4)):  # 12 tokens: the oldest goes
+        cache.put(key, list(range(length)))
+    assert b"a" not in cache and b"b" in cache and b"c" in cache and cache.tokens == 8
+    assert cache.get(b"b") is not None  # used: now the newest
+    cache.put(b"d", [1, 2, 3])
+    assert b"c" not in cache and cache.tokens == 7
+    cache.put(b"huge", list(range(11)))  # larger than the whole budget: kept by nobody
+    assert cache.tokens == 0 and b"huge" not in cache
+    for n in range(6):  # and never more than four prompts
+        cache.put(bytes([n]), [n])
+    assert cache.tokens == 4
