@@ -74,8 +74,14 @@ class FleetEvents:
         """A request ended. Sent to an endpoint removed since, its outcome re-created the series
         that the removal forgot: they go again once the last such request is done (not if the
         URL is back in the fleet meanwhile: the series are then the live endpoint's)."""
-        if self._state.registry.get(endpoint.url) is not None:
-            return  # in the fleet: the common case
+        registry = self._state.registry
+        if registry.get(endpoint.url) is not None:
+            # In the fleet: the common case. A data-parallel rank dropped while this ran on it
+            # (its replica down, or fewer ranks) re-created its series just the same.
+            if endpoint.dp_rank is not None and (rank := endpoint.latest()) not in registry:
+                if rank.in_flight <= 0 and self._gone(rank):
+                    self.forget_series(rank)
+            return
         owner = endpoint.owner.latest()  # replaced in place before it left: the counts moved there
         if all(each.in_flight <= 0 for each in (owner, *owner.rank_targets)):
             self.forget_series(owner)

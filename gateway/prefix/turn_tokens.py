@@ -36,8 +36,10 @@ _ENCODE = msgspec.json.Encoder(order="sorted").encode
 
 
 class TurnTokens:
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, max_tokens: int = 16_000_000) -> None:
         self._entries = entries
+        self._max_tokens = max_tokens  # as the engine-token cache: count alone allowed gigabytes
+        self.tokens = 0
         # conversation key (model, template options, messages) → (engine tokens, prompt chars)
         self._cache: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()
         self._trust: dict[str, int] = {}  # model → confirmations so far; -1: never
@@ -57,10 +59,12 @@ class TurnTokens:
         if not self._entries or request.api != "chat":
             return
         key = self.key(request, body, len(body["messages"]))
-        self._cache[key] = (array("I", tokens), len(request.prompt_text))
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._entries:
-            self._cache.popitem(last=False)
+        stored = array("I", tokens)
+        replaced = self._cache.pop(key, None)
+        self.tokens += len(stored) - (len(replaced[0]) if replaced is not None else 0)
+        self._cache[key] = (stored, len(request.prompt_text))
+        while len(self._cache) > self._entries or self.tokens > self._max_tokens:
+            self.tokens -= len(self._cache.popitem(last=False)[1][0])
 
     def previous(self, request: InferenceRequest, body: dict[str, Any]) -> tuple[list[int], int] | None:
         """The latest earlier turn's tokens and their prompt's length in chars, if known."""

@@ -8,6 +8,8 @@ gauges (a queue of 5, saturated) were exported for the life of the process.
 
 from __future__ import annotations
 
+import asyncio
+
 from gateway.config.fleet import EndpointConfig
 from gateway.http.reload import CONFIG_SOURCE
 from tests.support.harness import gateway_metrics, wait_until
@@ -69,3 +71,29 @@ def _scraped(gw) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_rank_dropped_while_requests_ran_on_it_keeps_no_series_after_they_end(
+    stack, start_upstream, start_gateway, http
+) -> None:
+    """Their outcomes re-created the series the drop had forgotten (found by review, 2026-12-05)."""
+    up = await start_upstream(metrics_text=_page(4, 0.0))
+    gw = await start_gateway([{"url": up.url, "data_parallel_size": 4}], policy="round-robin", **FAST)
+    await wait_until(lambda: _true(_scraped(gw)), 3.0, "the ranks scraped")
+    up.mode = "gated"
+    stack.callback(up.gate.set)
+    body = {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def stream() -> str:
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.headers["x-gateway-endpoint"]
+
+    streams = [asyncio.create_task(stream()) for _ in range(8)]
+    await wait_until(lambda: _true(len(up.requests) == 8), 3.0, "a stream held on every rank")
+    up.metrics_text = _page(2, 0.0)
+    gw.state.membership.apply(CONFIG_SOURCE, [EndpointConfig(url=up.url, data_parallel_size=2)])
+    up.gate.set()
+    served = await asyncio.gather(*streams)
+    assert f"{up.name}#dp3" in served  # some of them ran on a rank that was dropped meanwhile
+    assert await _gone_series(http, gw, up.name) == []

@@ -21,6 +21,7 @@ from gateway.prefix.engine_tokens import TokenCache
 from gateway.prefix.local_tokenizer import LocalTokenizer, find_tokenizer_dir
 from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.template_format import content_format
+from gateway.prefix.turn_tokens import TurnTokens
 from loadtest.realvllm.model import CHAT_TEMPLATE, build_tokenizer
 
 # A template with the features real ones use: tools as JSON, content parts, tool calls,
@@ -285,3 +286,13 @@ def test_the_token_cache_is_bounded_in_tokens_as_well_as_prompts() -> None:
     for n in range(6):  # and never more than four prompts
         cache.put(bytes([n]), [n])
     assert cache.tokens == 4
+
+
+def test_the_turn_token_copy_is_bounded_in_tokens_too() -> None:
+    """With ``reuse_turn_tokens`` each prompt's tokens are kept a second time, by conversation:
+    that copy was bounded by count alone (found by review, 2026-12-05)."""
+    turns = TurnTokens(entries=4, max_tokens=10)
+    for n in range(3):
+        body = chat(("user", f"conversation {n}"))
+        turns.store(_Request(body, prompt_text=f"conversation {n}"), body, list(range(4)))  # type: ignore[arg-type]
+    assert turns.tokens == 8  # the oldest of three 4-token prompts went
