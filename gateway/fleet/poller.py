@@ -215,10 +215,8 @@ class MetricsPoller:
         if changed:
             log.warning("endpoint %s: now %d data-parallel ranks", endpoint.name, len(endpoint.rank_targets))
             self._registry.rebuild()
-        for target in dropped:
-            self._metrics.forget_endpoint(target.name)
-            if self._on_restart:
-                self._on_restart(target)  # what the index held for it is gone
+        if dropped:  # their index state, series and exact-index entries go, as every dropped rank's
+            self._registry.on_dropped_targets(dropped)
         for target in endpoint.rank_targets:
             self._metrics.endpoint_waiting.labels(target.name).set(target.metrics.waiting or 0)
             self._metrics.endpoint_running.labels(target.name).set(target.metrics.running or 0)

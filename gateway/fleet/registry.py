@@ -99,8 +99,8 @@ class EndpointRegistry:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._known_models: frozenset[str] = frozenset()
         self.version = 0  # bumped by every rebuild: who caches per-endpoint state sees a change
-        # Rank targets that stopped existing (down, or fewer configured ranks): their state and
-        # series go (wired by the app; the scrape's own drops are the poller's).
+        # Rank targets that stopped existing (down, fewer configured ranks, or fewer on the
+        # engine's page): their state and series go (wired by the app).
         self.on_dropped_targets: Callable[[list[Endpoint]], None] = lambda targets: None
         for endpoint in endpoints:
             self.add(endpoint, rebuild=False)

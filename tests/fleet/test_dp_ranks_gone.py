@@ -97,3 +97,31 @@ async def test_a_rank_dropped_while_requests_ran_on_it_keeps_no_series_after_the
     served = await asyncio.gather(*streams)
     assert f"{up.name}#dp3" in served  # some of them ran on a rank that was dropped meanwhile
     assert await _gone_series(http, gw, up.name) == []
+
+
+async def test_ranks_a_scrape_no_longer_finds_take_their_prefix_state_too(
+    start_upstream, start_gateway, http
+) -> None:
+    page = _page(4, 0.0) + "".join(
+        f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",engine="{r}"}} 1\n' for r in range(4)
+    )
+    up = await start_upstream(metrics_text=page)
+    gw = await start_gateway([up.url], **FAST)
+    prefix = gw.state.prefix
+
+    async def sized() -> bool:
+        return f"{up.name}#dp3" in prefix._engine_capacity
+
+    await wait_until(sized, 3.0, "the ranks' KV sizes scraped")
+    up.metrics_text = _page(2, 0.0)  # the engine restarted with two ranks, between two scrapes
+
+    async def two() -> bool:
+        return len(gw.state.registry.targets()) == 2
+
+    await wait_until(two, 3.0, "two ranks")
+    await wait_until(
+        lambda: _true(not any("#dp2" in n or "#dp3" in n for n in prefix._engine_capacity)),
+        3.0,
+        "the dropped ranks' KV sizes forgotten",
+    )
+    assert await _gone_series(http, gw, up.name) == []
