@@ -23,8 +23,6 @@ import asyncio
 import json
 import logging
 import time
-from array import array
-from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -34,10 +32,11 @@ import xxhash
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.local_tokens import LocalTokens
+from gateway.prefix.token_cache import TokenCache
 from gateway.prefix.turn_tokens import TurnTokens
 from gateway.request.types import InferenceRequest
 
-__all__ = ["EngineTokens", "TokenCache", "tokenize_body"]
+__all__ = ["EngineTokens", "tokenize_body"]
 
 log = logging.getLogger(__name__)
 
@@ -84,36 +83,6 @@ def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | Non
     return None
 
 
-class TokenCache:
-    """Prompt tokens by key, least recently used out first: at most ``entries`` prompts and
-    ``max_tokens`` tokens (4,096 long prompts by count alone would be gigabytes)."""
-
-    def __init__(self, entries: int, max_tokens: int = 16_000_000) -> None:
-        self._entries = entries
-        self._max_tokens = max_tokens
-        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
-        self.tokens = 0
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._cache
-
-    def get(self, key: bytes) -> array[int] | None:
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-        return cached
-
-    def put(self, key: bytes, tokens: list[int]) -> None:
-        if not self._entries:
-            return
-        stored = array("I", tokens)
-        replaced = self._cache.pop(key, None)
-        self.tokens += len(stored) - (len(replaced) if replaced is not None else 0)
-        self._cache[key] = stored
-        while len(self._cache) > self._entries or self.tokens > self._max_tokens:
-            self.tokens -= len(self._cache.popitem(last=False)[1])
-
-
 class EngineTokens:
     def __init__(
         self,
@@ -152,7 +121,7 @@ class EngineTokens:
         cached = self._cache.get(key)
         if cached is not None:
             self._metrics.tokenize.labels("cached").inc()
-            return cached.tolist()
+            return cached[0].tolist()
         return await self._fetch(request, body, key, endpoint, None)
 
     async def routing_tokens(self, request: InferenceRequest, endpoint: Endpoint) -> tuple[list[int], int]:

@@ -18,13 +18,12 @@ prediction can be short by those blocks.
 from __future__ import annotations
 
 import logging
-from array import array
-from collections import OrderedDict
 from typing import Any
 
 import msgspec
 import xxhash
 
+from gateway.prefix.token_cache import TokenCache
 from gateway.request.types import InferenceRequest
 
 __all__ = ["TurnTokens"]
@@ -38,11 +37,14 @@ _ENCODE = msgspec.json.Encoder(order="sorted").encode
 class TurnTokens:
     def __init__(self, entries: int, max_tokens: int = 16_000_000) -> None:
         self._entries = entries
-        self._max_tokens = max_tokens  # as the engine-token cache: count alone allowed gigabytes
-        self.tokens = 0
         # conversation key (model, template options, messages) → (engine tokens, prompt chars)
-        self._cache: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()
+        self._cache = TokenCache(entries, max_tokens)
         self._trust: dict[str, int] = {}  # model → confirmations so far; -1: never
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (bounded like the engine-token cache: count alone allowed gigabytes)."""
+        return self._cache.tokens
 
     @staticmethod
     def key(request: InferenceRequest, body: dict[str, Any], count: int) -> bytes:
@@ -58,13 +60,7 @@ class TurnTokens:
     def store(self, request: InferenceRequest, body: dict[str, Any], tokens: list[int]) -> None:
         if not self._entries or request.api != "chat":
             return
-        key = self.key(request, body, len(body["messages"]))
-        stored = array("I", tokens)
-        replaced = self._cache.pop(key, None)
-        self.tokens += len(stored) - (len(replaced[0]) if replaced is not None else 0)
-        self._cache[key] = (stored, len(request.prompt_text))
-        while len(self._cache) > self._entries or self.tokens > self._max_tokens:
-            self.tokens -= len(self._cache.popitem(last=False)[1][0])
+        self._cache.put(self.key(request, body, len(body["messages"])), tokens, len(request.prompt_text))
 
     def previous(self, request: InferenceRequest, body: dict[str, Any]) -> tuple[list[int], int] | None:
         """The latest earlier turn's tokens and their prompt's length in chars, if known."""
@@ -79,10 +75,7 @@ class TurnTokens:
             return None
         key = self.key(request, body, count)
         hit = self._cache.get(key)
-        if hit is None:
-            return None
-        self._cache.move_to_end(key)
-        return hit[0].tolist(), hit[1]
+        return None if hit is None else (hit[0].tolist(), hit[1])
 
     def verify(self, model: str, prefix: list[int], full: list[int]) -> bool:
         """Record whether ``prefix`` (an earlier turn's tokens) starts ``full``; the first False

@@ -17,10 +17,10 @@ from gateway.config import load_config
 from gateway.config.kv_events import TokenizerConfig
 from gateway.ops.kv_metrics import KVEventMetrics
 from gateway.prefix.chat_template import Unsupported, conversation, render
-from gateway.prefix.engine_tokens import TokenCache
 from gateway.prefix.local_tokenizer import LocalTokenizer, find_tokenizer_dir
 from gateway.prefix.local_tokens import LocalTokens
 from gateway.prefix.template_format import content_format
+from gateway.prefix.token_cache import TokenCache
 from gateway.prefix.turn_tokens import TurnTokens
 from loadtest.realvllm.model import CHAT_TEMPLATE, build_tokenizer
 

@@ -349,7 +349,9 @@ async def test_a_replica_whose_streams_die_after_the_probes_first_byte_is_ejecte
 
 
 def test_a_failure_on_probation_is_still_held_to_max_ejected_fraction():
-    a, b = (Endpoint(u, configured_models=frozenset({"m"}), healthy=True) for u in ("http://a:1", "http://b:1"))
+    a, b = (
+        Endpoint(u, configured_models=frozenset({"m"}), healthy=True) for u in ("http://a:1", "http://b:1")
+    )
     registry = EndpointRegistry([a, b])
     config = ResilienceConfig(consecutive_failures=2, ejection_s=0.05, max_ejected_fraction=0.5)
     breakers = CircuitBreakers(config, registry, GatewayMetrics())

@@ -32,6 +32,16 @@ def _worker(spec, index: int) -> tuple[CircuitBreakers, Endpoint]:
     return breakers, endpoints[0]
 
 
+def _ejected_by_first(tmp_path):
+    """Two workers' views; the first worker ejects the endpoint (5 s), the second adopts it."""
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
+    first.on_failure(a0, "http_500")
+    first.on_failure(a0, "http_500")
+    second.review(time.monotonic())
+    return first, a0, second, a1
+
+
 def test_an_ejection_is_adopted_one_worker_probes_and_its_verdict_closes_both(tmp_path):
     spec = create_table(str(tmp_path), rows=8, workers=2)
     (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
@@ -73,11 +83,7 @@ def test_a_failed_probe_ejects_again_everywhere_for_longer(tmp_path):
 def test_a_claim_its_worker_never_uses_lapses_and_a_sibling_with_traffic_probes(tmp_path):
     """The claim used to stand until its worker sent the probe: a worker with no traffic for the
     replica (every client on the sibling's connections) held it out of rotation for good."""
-    spec = create_table(str(tmp_path), rows=8, workers=2)
-    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
-    first.on_failure(a0, "http_500")
-    first.on_failure(a0, "http_500")
-    second.review(time.monotonic())  # adopted
+    first, a0, second, a1 = _ejected_by_first(tmp_path)
     now = time.monotonic() + 6.0  # the 5 s ejection is over
     first.review(now)  # first claims the probe, and then gets no request for this replica
     second.review(now)
@@ -101,11 +107,7 @@ def test_a_claim_its_worker_never_uses_lapses_and_a_sibling_with_traffic_probes(
 
 
 def test_a_worker_whose_claim_lapsed_sends_no_second_probe_and_waits_for_the_verdict(tmp_path):
-    spec = create_table(str(tmp_path), rows=8, workers=2)
-    (first, a0), (second, a1) = _worker(spec, 0), _worker(spec, 1)
-    first.on_failure(a0, "http_500")
-    first.on_failure(a0, "http_500")
-    second.review(time.monotonic())
+    first, a0, second, a1 = _ejected_by_first(tmp_path)
     now = time.monotonic() + 6.0
     first.review(now)  # first claims, sends nothing
     second.review(now + 1.5)  # lapsed: second claims and probes
