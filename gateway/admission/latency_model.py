@@ -182,6 +182,7 @@ class Training:
 
 
 _BOTH = Training(replica=True, fleet=True)
+_TRAININGS = {(True, False): Training(True, False), (False, True): Training(False, True)}  # no allocation
 
 
 class _TrainingBudget:
@@ -317,7 +318,7 @@ class LatencyModel:
         fleet = self._fleet_budget.take(rate, now)
         if replica and fleet:
             return _BOTH
-        return Training(replica, fleet) if replica or fleet else None
+        return _TRAININGS[replica, fleet] if replica or fleet else None
 
     def sample(self, endpoint: Endpoint, uncached_tokens: float, training: Training = _BOTH) -> LatencySample:
         """The features of an attempt about to be sent, and what the model expects of it."""
