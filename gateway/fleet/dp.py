@@ -31,10 +31,12 @@ __all__ = [
     "RANK_HEADER",
     "engine_ranks",
     "other_servers_first",
+    "rank_out_of_range",
     "rank_target",
     "set_ranks",
     "sync_targets",
     "update_rank_loads",
+    "without_rank",
 ]
 
 RANK_HEADER = "x-data-parallel-rank"
@@ -122,6 +124,18 @@ def other_servers_first(ranked: Sequence[Endpoint]) -> list[Endpoint]:
         (later if target.url in seen else first).append(target)
         seen.add(target.url)
     return first + later
+
+
+def rank_out_of_range(body: bytes) -> bool:
+    """vLLM's 400 for an ``X-data-parallel-rank`` the server does not have (a restart with
+    fewer ranks, before a scrape saw it): ``data_parallel_rank R is out of range [0, N).``"""
+    return b"data_parallel_rank" in body and b"out of range" in body
+
+
+def without_rank(refused: Endpoint, later: Sequence[Endpoint]) -> list[Endpoint]:
+    """The attempts after a refused rank: its server again, without the header (vLLM picks
+    the rank), then the other servers; not its sibling ranks, which may be gone as well."""
+    return [refused.owner, *(target for target in later if target.url != refused.url)]
 
 
 def engine_ranks(text: str) -> list[int]:

@@ -318,6 +318,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         state.breakers,
         PDCoordinator(client, state.config.pd, state.metrics),
         after_request=events.after_request,
+        on_rank_refused=events.on_rank_refused,
     )
     yield
     await events.close()

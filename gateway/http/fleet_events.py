@@ -9,13 +9,17 @@ replica's state would be kept (and exported) for the life of the process.
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from gateway.fleet.dp import set_ranks
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.health import HealthChecker
 from gateway.http.state import GatewayState
 from gateway.proxy.upstream import UpstreamClient
 
 __all__ = ["FleetEvents"]
+
+log = logging.getLogger(__name__)
 
 
 class FleetEvents:
@@ -25,6 +29,7 @@ class FleetEvents:
         self._health = health
         self._forget_tasks: set[asyncio.Task[None]] = set()
         self._probe_tasks: set[asyncio.Task[None]] = set()
+        self._misconfigured: set[str] = set()  # configured rank targets their server refused (logged)
 
     def forget(self, endpoint: Endpoint, *, then_series: bool = False) -> None:
         """Its cached blocks are gone (a restart, down): drop them from the prefix index;
@@ -52,6 +57,25 @@ class FleetEvents:
         """Data-parallel ranks that are gone (their replica down, or configured with fewer)."""
         for target in targets:
             self.forget(target, then_series=True)
+
+    def on_rank_refused(self, target: Endpoint) -> None:
+        """Its server refused the rank: restarted with fewer, between two scrapes. The learned
+        ranks go (the server routes as one target, vLLM picks the rank) and a scrape now
+        learns the new ones. Configured ranks stay: the config is wrong, and is logged."""
+        replica = target.owner
+        if replica.data_parallel_size is not None:
+            if target.name not in self._misconfigured:  # once, not once per request
+                self._misconfigured.add(target.name)
+                log.warning("endpoint %s refused %s: check its data_parallel_size", replica.name, target.name)
+            return
+        if target not in replica.rank_targets:  # another request's refusal got here first
+            return
+        log.warning("endpoint %s refused %s: learning its ranks again", replica.name, target.name)
+        dropped = set_ranks(replica, [])
+        self._state.registry.rebuild()
+        self.on_dropped_targets(dropped)
+        if self._state.poller is not None:
+            self._state.poller.scrape_soon(replica)
 
     def on_removed(self, endpoints: list[Endpoint]) -> None:
         state = self._state

@@ -26,7 +26,7 @@ from functools import partial
 from aiohttp import HttpVersion11, web
 
 from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, UpstreamTimeout
-from gateway.fleet.dp import RANK_HEADER, other_servers_first
+from gateway.fleet.dp import RANK_HEADER, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
@@ -63,7 +63,10 @@ STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
 
 # Retry reasons that say nothing against the endpoint tried: its prefill partner failed,
 # or it was already ejected while the request waited.
-_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected"})
+# A data-parallel rank the server no longer has (restarted with fewer): vLLM's 400 before any
+# work. The same server is asked again without the header, and its ranks are learned anew.
+_RANK_REFUSED = "rank_refused"
+_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected", _RANK_REFUSED})
 _ERROR_BODY_WAIT_S = 2.0  # a 5xx's body, kept to pass on if no retry succeeds: at most this long
 _ERROR_BODY_MAX = 65536  # and this large
 
@@ -77,10 +80,13 @@ class Proxy:
         breakers: CircuitBreakers,
         pd: PDCoordinator,
         after_request: Callable[[Endpoint], None] | None = None,
+        on_rank_refused: Callable[[Endpoint], None] | None = None,
     ) -> None:
-        """``after_request(endpoint)``: each attempt's end, once its hooks have run."""
+        """``after_request(endpoint)``: each attempt's end, once its hooks have run;
+        ``on_rank_refused(target)``: a data-parallel rank target's server refused its rank."""
         self._client = client
         self._after_request = after_request
+        self._on_rank_refused = on_rank_refused
         self.settings = settings
         self._metrics = metrics
         self._breakers = breakers
@@ -134,6 +140,11 @@ class Proxy:
                 return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
             except Retryable as failure:
                 last_failure = failure
+                if failure.reason == _RANK_REFUSED:
+                    attempts[index + 1 :] = without_rank(endpoint, attempts[index + 1 :])
+                    budget += 1
+                    if self._on_rank_refused is not None:
+                        self._on_rank_refused(endpoint)
                 if failure.reason != "prefill_failed":
                     index += 1
             finally:
@@ -310,6 +321,10 @@ class Proxy:
             # a truncated text. Nothing reached the client yet: re-send it elsewhere.
             self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
             raise Retryable("aborted")
+        if upstream.status == 400 and endpoint.dp_rank is not None and rank_out_of_range(body):
+            self._metrics.upstream_errors.labels(endpoint.name, _RANK_REFUSED).inc()
+            headers["content-type"] = upstream.content_type
+            raise Retryable(_RANK_REFUSED, web.Response(status=400, body=body, headers=headers))
         if upstream.status == 200:
             request.context.answer_head = body[:4096]
         attempt.hooks.on_first_byte(request, endpoint)

@@ -30,9 +30,28 @@ from .engine import Engine
 from .kv_events import KVEventPublisher
 from .wire import error_response
 
-__all__ = ["RANK_HEADER", "DataParallel"]
+__all__ = ["RANK_HEADER", "DataParallel", "requested_rank"]
 
 RANK_HEADER = "X-data-parallel-rank"
+
+
+def requested_rank(request: web.Request, ranks: int) -> int | web.Response | None:
+    """The rank ``X-data-parallel-rank`` names (None: absent or not an integer), or vLLM's 400.
+
+    vLLM checks the header on every server, one without data parallelism too (one rank):
+    ``1`` there is the same 400 as ``2`` on a server of two ranks."""
+    raw = request.headers.get(RANK_HEADER)
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        return None  # vLLM: an unparsable header is no header
+    if not 0 <= rank < ranks:
+        return error_response(
+            400, f"data_parallel_rank {rank} is out of range [0, {ranks}).", "BadRequestError"
+        )
+    return rank
 
 
 class DataParallel:
@@ -68,18 +87,9 @@ class DataParallel:
 
     def pick(self, request: web.Request) -> Engine | web.Response:
         """The rank the header names, else the least loaded; a 400 for a rank out of range."""
-        raw = request.headers.get(RANK_HEADER)
-        rank: int | None = None
-        if raw is not None:
-            try:
-                rank = int(raw)
-            except ValueError:
-                rank = None  # vLLM: an unparsable header is no header
-        n = len(self.engines)
-        if rank is not None and not 0 <= rank < n:
-            return error_response(
-                400, f"data_parallel_rank {rank} is out of range [0, {n}).", "BadRequestError"
-            )
+        rank = requested_rank(request, len(self.engines))
+        if isinstance(rank, web.Response):
+            return rank
         if rank is None:
             rank = self._least_loaded()
         self.picked[rank] += 1

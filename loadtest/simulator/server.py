@@ -27,7 +27,7 @@ from loadtest.harness.ports import free_port
 
 from .agent_http import AgentHandlers
 from .config import SimConfig
-from .dp import DataParallel
+from .dp import DataParallel, requested_rank
 from .engine import FINISHED, Engine, EngineStopped, RequestTooLong, SimRequest
 from .kv_events import KVEventPublisher
 from .kv_http import KVHandlers
@@ -203,7 +203,11 @@ class _Handlers(PDHandlers, KVHandlers, AgentHandlers):
         )
         if self.s.lora is not None:
             self.s.lora.assign(req, body.get("model"))
-        engine = self.s.engine if self.s.dp is None else self.s.dp.pick(request)
+        if self.s.dp is None:
+            refused = requested_rank(request, 1)
+            engine = refused if isinstance(refused, web.Response) else self.s.engine
+        else:
+            engine = self.s.dp.pick(request)
         if isinstance(engine, web.Response):
             return engine  # a rank out of range
         try:

@@ -178,6 +178,55 @@ async def test_a_restart_with_another_rank_count_is_followed(start_gateway, http
     await runner.cleanup()
 
 
+SLOW_WATCH = {"health": {"interval_s": 30.0}, "scrape": {"interval_s": 30.0}}  # neither sees a quick restart
+
+
+async def test_a_quick_restart_with_fewer_ranks_loses_no_request(start_gateway, http, stack) -> None:
+    """Restarted with fewer ranks between two health checks and two scrapes: a request sent to
+    a rank the server no longer has gets vLLM's 400; the gateway asks the same server again
+    without the header, and a scrape at once learns the new ranks (not the next round, 30 s on)."""
+    config = SimConfig(port=0, time_scale=5.0, data_parallel_size=3)
+    runner, sim = await start_runner(config)
+    gw = await start_gateway(gateway_config([sim.url], prefix={"exact": "off"}, **SLOW_WATCH))
+    await wait_ranks(gw, sim, 3, live=False)
+    await runner.cleanup()
+    config.data_parallel_size = 2
+    runner, sim = await start_runner(config)
+    stack.push_async_callback(runner.cleanup)
+
+    served = await asyncio.gather(*(ask(http, gw, document(600 + i), max_tokens=20) for i in range(9)))
+    assert len(served) == 9  # every one answered 200 (ask asserts it)
+    text = await (await http.get(gw.url + "/metrics")).text()
+    refused = metric_value(text, "llm_gateway_retries_total", reason="rank_refused")
+    assert refused and refused >= 1  # the load spread reached the gone rank, and it was refused
+    assert sim.state.dp is not None and sum(sim.state.dp.picked) == 9  # each served once
+    await wait_ranks(gw, sim, 2, live=False)  # learned again within the 10 s wait, not 30 s on
+    assert {(await ask(http, gw, document(620 + i)))[0] for i in range(4)} <= {
+        f"{host(sim)}#dp0",
+        f"{host(sim)}#dp1",
+    }
+
+
+async def test_configured_ranks_the_server_does_not_have_are_re_sent_without_the_header(
+    start_sims, start_gateway, http
+) -> None:
+    """A configured ``data_parallel_size`` is kept (the config is wrong, and logged), but no
+    request fails for it: a refused rank is asked again without the header."""
+    (sim,) = await start_sims(1, time_scale=5.0)  # one rank: vLLM refuses rank 1
+    config = gateway_config([sim.url], prefix={"exact": "off"}, scrape={"enabled": False})
+    config = config.model_copy(
+        update={"endpoints": [config.endpoints[0].model_copy(update={"data_parallel_size": 2})]}
+    )
+    gw = await start_gateway(config)
+    await wait_ranks(gw, sim, 2, live=False)
+    served = await asyncio.gather(*(ask(http, gw, document(700 + i), max_tokens=20) for i in range(6)))
+    assert {endpoint for endpoint, _, _ in served} <= {f"{host(sim)}#dp0", host(sim)}
+    assert host(sim) in {endpoint for endpoint, _, _ in served}  # a rank 1 request, answered by the server
+    text = await (await http.get(gw.url + "/metrics")).text()
+    assert metric_value(text, "llm_gateway_upstream_errors_total", endpoint=f"{host(sim)}#dp1") >= 1
+    assert [t.dp_rank for t in registry(gw).targets()] == [0, 1]  # configured: kept
+
+
 async def test_configured_ranks_route_from_the_first_request(start_sims, start_gateway, http) -> None:
     (sim,) = await start_sims(1, data_parallel_size=2)
     config = gateway_config([sim.url], prefix={"exact": "off"}, scrape={"enabled": False})
