@@ -139,16 +139,24 @@ def without_rank(refused: Endpoint, later: Sequence[Endpoint]) -> list[Endpoint]
 
 
 def engine_ranks(text: str) -> list[int]:
-    """The ``engine`` label values of the series every rank reports (one value per DP rank)."""
-    ranks: set[int] = set()
+    """The ``engine`` label values of the series every rank reports (one value per DP rank).
+
+    vLLM numbers its ranks 0..N-1, and ``X-data-parallel-rank`` names one of those: only that
+    run counts. A label past a gap ({0, 1, 1023}), a padded one ("01", which vLLM would read
+    as rank 1 under another name) or one that is not an ASCII number ("²") is no rank; a
+    server of a multi-node deployment labelled from another start routes as one target."""
+    labels: set[int] = set()
     for line in text.splitlines():
         if not line.startswith(_PER_RANK):
             continue
         _, found, rest = line.partition(',engine="' if "{engine=" not in line else '{engine="')
         value = rest.partition('"')[0]
-        if found and value.isascii() and value.isdigit() and int(value) < _MAX_RANKS:  # not "²"
-            ranks.add(int(value))
-    return sorted(ranks)
+        if found and value.isascii() and value.isdigit() and value == str(int(value)):
+            labels.add(int(value))
+    ranks = []
+    while len(ranks) in labels and len(ranks) < _MAX_RANKS:
+        ranks.append(len(ranks))
+    return ranks
 
 
 def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint]]:

@@ -45,6 +45,22 @@ def test_hostile_engine_labels_are_no_ranks() -> None:
     assert engine_ranks(page) == [0, 1]
 
 
+def test_ranks_are_the_run_from_zero_with_canonical_labels() -> None:
+    """A rank set is 0..N-1 as vLLM numbers it: what lies past a gap, and padded labels
+    (another name for a rank already there), are not routed to."""
+
+    def page(*labels: str) -> str:
+        return "\n".join(
+            f'vllm:num_requests_running{{engine="{label}",model_name="m"}} 0' for label in labels
+        )
+
+    assert engine_ranks(page("0", "1", "1023")) == [0, 1]
+    assert engine_ranks(page("0", "01", "1")) == [0, 1]  # "01" is no third rank
+    assert engine_ranks(page("00", "01")) == []  # nor do padded labels make ranks
+    assert engine_ranks(page("2", "3")) == []  # ranks 2 and 3 of a multi-node deployment: one target
+    assert engine_ranks(page(*(str(r) for r in range(1100)))) == list(range(1024))
+
+
 def test_rank_set_changes_keep_the_state_of_ranks_that_stay() -> None:
     replica = Endpoint("http://127.0.0.1:8000", healthy=True)
     set_ranks(replica, [0, 1])
