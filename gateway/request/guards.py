@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import msgspec
@@ -29,29 +28,31 @@ _MAX_INT_DIGITS = len(str(_NUMBER_MAX_INT))  # longer literals are out of range;
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGIT_RUN = b"0" * _MAX_INT_DIGITS
 
-# A JSON string literal. The tail ``(?:"|\\?\Z)`` lets an unterminated string match up
-# to the end on the first try: no start position ever fails, so the scan stays linear
-# even on ``"\"\"\"…`` (a plain ``"…"`` pattern goes quadratic there).
-_STRING_LITERAL = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _OPENERS_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'[]{}"')
 
 
 def nesting_exceeds(raw: bytes, limit: int) -> bool:
     """True if arrays/objects in ``raw`` nest deeper than ``limit`` levels (``{}`` is 1).
 
-    Runs without recursion, only C-speed bytes operations: drop string literals (one
-    linear regex pass), keep only the brackets, then peel the innermost ``[]`` pairs up
-    to ``limit`` times; a pair that survives was nested deeper. After ``p`` peels every
+    Runs without recursion, only C-speed bytes operations, a few passes over the body:
+    drop escaped backslashes and quotes (left to right, as JSON reads escapes), keep only
+    brackets and quotes, drop strings (``""`` pairs first: most strings hold no bracket, and
+    dropping two adjacent quotes leaves every other character inside or outside a string as
+    it was; the few left are split off by quote parity), then peel the innermost ``[]`` pairs
+    up to ``limit`` times; a pair that survives was nested deeper. After ``p`` peels every
     remaining container holds ``p`` more levels, so a run of ``limit + 1 - p`` openers
-    proves the answer at once (this ends ``[[[[…`` bombs before the first peel). Exact
-    for valid JSON; for invalid JSON it only keeps ``json.loads`` from recursing deeply.
-    Worst case ``limit`` passes over the body, well below what ``json.loads`` spends on
-    the same bytes.
+    proves the answer at once (this ends ``[[[[…`` bombs before the first peel). Exact for
+    valid JSON; invalid JSON is refused by both decoders, which refuse deep nesting too
+    (``RecursionError``), so there the scan only has to stay linear. A per-string regex
+    took ~230 ms on a 12 MB body of tool schemas; this takes ~25.
     """
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False  # the common case: too few brackets to be too deep
-    skeleton = _STRING_LITERAL.sub(b"", raw).translate(_OPENERS_TO_SQUARE, _NOT_BRACKETS)
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = raw.translate(_OPENERS_TO_SQUARE, _NOT_MARKS).replace(b'""', b"")
+    skeleton = b"".join(marks.split(b'"')[0::2]) if b'"' in marks else marks
     for peeled_levels in range(limit):
         if b"[" * (limit + 1 - peeled_levels) in skeleton:
             return True

@@ -70,3 +70,37 @@ def test_random_bodies_same_as_precise(body: dict, splice: str) -> None:
     if splice and raw != b"{}":
         raw = raw[:-1] + b', "z": ' + splice.encode() + b"}"
     assert outcome(lambda b: load_object(b, 32), raw) == outcome(precise, raw)
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\ab/\n\u00e9', max_size=12)
+_NESTED = st.recursive(
+    st.none() | st.integers() | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_NESTED, limit=st.integers(min_value=0, max_value=8), ascii_only=st.booleans())
+def test_the_depth_scan_is_exact_on_valid_json(value: object, limit: int, ascii_only: bool) -> None:
+    """Strings full of brackets, quotes and backslashes (escaped as JSON escapes them) never
+    count as nesting, and every real level does."""
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert guards.nesting_exceeds(raw, limit) is (_depth(value) > limit)
+
+
+def test_the_depth_scan_on_escape_runs_and_strings_of_brackets() -> None:
+    deep_in_string = json.dumps({"a": "[" * 100 + '\\"' * 50 + "{" * 100}).encode()
+    assert not guards.nesting_exceeds(deep_in_string, 2)
+    escaped_then_deep = b'{"a": "\\\\", "b": [[[[[]]]]]}'  # the string ends after its escaped backslash
+    assert guards.nesting_exceeds(escaped_then_deep, 5) and not guards.nesting_exceeds(escaped_then_deep, 6)
+    quote_then_deep = b'{"a": "\\"", "b": [[[[[]]]]]}'  # an escaped quote does not end the string
+    assert guards.nesting_exceeds(quote_then_deep, 5) and not guards.nesting_exceeds(quote_then_deep, 6)
