@@ -28,16 +28,20 @@ _MAX_INT_DIGITS = len(str(_NUMBER_MAX_INT))  # longer literals are out of range;
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGIT_RUN = b"0" * _MAX_INT_DIGITS
 
-_OPENERS_TO_SQUARE = bytes.maketrans(b"{}", b"[]")
-_NOT_MARKS = bytes(b for b in range(256) if b not in b'[]{}"')
+# The scan's first pass keeps brackets (as ``[]``), quotes, backslashes and the characters an
+# escape can end with (as ``x``), so each backslash is still followed by its escape's end.
+_KEPT = b'[]{}"\\/bfnrtu'
+_SCAN_MAP = bytes.maketrans(b"{}/bfnrtu", b"[]xxxxxxx")
+_NOT_KEPT = bytes(b for b in range(256) if b not in _KEPT)
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'[]"')
 
 
 def nesting_exceeds(raw: bytes, limit: int) -> bool:
     """True if arrays/objects in ``raw`` nest deeper than ``limit`` levels (``{}`` is 1).
 
-    Runs without recursion, only C-speed bytes operations, a few passes over the body:
-    drop escaped backslashes and quotes (left to right, as JSON reads escapes), keep only
-    brackets and quotes, drop strings (``""`` pairs first: most strings hold no bracket, and
+    Runs without recursion, only C-speed bytes operations, one pass over the body and a
+    few over what it keeps: keep brackets, quotes and escapes, drop escaped backslashes and
+    quotes (left to right, as JSON reads escapes), keep only brackets and quotes, drop strings (``""`` pairs first: most strings hold no bracket, and
     dropping two adjacent quotes leaves every other character inside or outside a string as
     it was; the few left are split off by quote parity), then peel the innermost ``[]`` pairs
     up to ``limit`` times; a pair that survives was nested deeper. After ``p`` peels every
@@ -47,11 +51,12 @@ def nesting_exceeds(raw: bytes, limit: int) -> bool:
     (``RecursionError``), so there the scan only has to stay linear. A per-string regex
     took ~230 ms on a 12 MB body of tool schemas; this takes ~25.
     """
-    if raw.count(b"[") + raw.count(b"{") <= limit:
+    reduced = raw.translate(_SCAN_MAP, _NOT_KEPT)
+    if reduced.count(b"[") <= limit:
         return False  # the common case: too few brackets to be too deep
-    if b"\\" in raw:
-        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    marks = raw.translate(_OPENERS_TO_SQUARE, _NOT_MARKS).replace(b'""', b"")
+    if b"\\" in reduced:
+        reduced = reduced.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = reduced.translate(None, _NOT_MARKS).replace(b'""', b"")
     skeleton = b"".join(marks.split(b'"')[0::2]) if b'"' in marks else marks
     for peeled_levels in range(limit):
         if b"[" * (limit + 1 - peeled_levels) in skeleton:
