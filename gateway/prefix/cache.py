@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.prefix.hashing import block_hashes
+from gateway.prefix.chain_cache import HashChainCache
 from gateway.prefix.index import PrefixIndex
 from gateway.request.types import CHARS_PER_TOKEN, InferenceRequest
 
@@ -81,25 +81,29 @@ class PrefixCache:
         self._engine_capacity: dict[str, int] = {}
         self._trust: dict[str, float] = {}
         self.exact: ExactPrefix | None = None  # set by the wiring with prefix.exact: auto
+        self.chains = HashChainCache()  # a conversation's next turn hashes only its new blocks
 
     # -- per request ----------------------------------------------------------------
     def state(self, request: InferenceRequest) -> PrefixState:
         """The request's prefix state, hashing its prompt on first use."""
         state = request.context.prefix
         if state is None:
-            hashes = block_hashes(request.model, request.prompt_text, self.block_bytes, self.max_blocks)
-            state = request.context.prefix = PrefixState(hashes)
+            state = request.context.prefix = PrefixState(self._block_hashes(request))
         return state
 
     async def prepared_state(self, request: InferenceRequest) -> PrefixState:
         """:meth:`state`, with a long prompt hashed in a worker thread instead of on the event loop."""
         if request.context.prefix is None and len(request.prompt_text) > _HASH_OFF_LOOP_CHARS:
-            hashes = await asyncio.to_thread(
-                block_hashes, request.model, request.prompt_text, self.block_bytes, self.max_blocks
-            )
+            hashes = await asyncio.to_thread(self._block_hashes, request)
             if request.context.prefix is None:
                 request.context.prefix = PrefixState(hashes)
         return self.state(request)
+
+    def _block_hashes(self, request: InferenceRequest) -> list[int]:
+        chains = self.chains
+        return chains.block_hashes(
+            request.model, request.prompt_text, self.block_bytes, self.max_blocks, request.session_id
+        )
 
     def hashes(self, request: InferenceRequest) -> list[int]:
         return self.state(request).hashes

@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import xxhash
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "block_hashes"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "MODEL_SEPARATOR", "block_hashes", "prompt_bytes"]
 
 DEFAULT_BLOCK_BYTES = 64
-_MODEL_SEPARATOR = b"\x00"
+MODEL_SEPARATOR = b"\x00"
+
+
+def prompt_bytes(prompt: str, block_bytes: int, max_blocks: int | None) -> bytes:
+    """The bytes hashed: the prompt's UTF-8, at most ``max_blocks`` blocks of it."""
+    if max_blocks is None:
+        return prompt.encode("utf-8", "surrogatepass")
+    limit = max_blocks * block_bytes
+    # A character is at least one byte: cutting the text first keeps every needed byte.
+    return prompt[:limit].encode("utf-8", "surrogatepass")[:limit]
 
 
 def block_hashes(
     model: str, prompt: str, block_bytes: int = DEFAULT_BLOCK_BYTES, max_blocks: int | None = None
 ) -> list[int]:
-    if max_blocks is not None:
-        limit = max_blocks * block_bytes
-        prompt = prompt[:limit]  # a character is at least one byte: this keeps every needed byte
-        data = prompt.encode("utf-8", "surrogatepass")[:limit]
-    else:
-        data = prompt.encode("utf-8", "surrogatepass")
-    hasher = xxhash.xxh3_64(model.encode("utf-8", "surrogatepass") + _MODEL_SEPARATOR)
+    data = prompt_bytes(prompt, block_bytes, max_blocks)
+    hasher = xxhash.xxh3_64(model.encode("utf-8", "surrogatepass") + MODEL_SEPARATOR)
     update, digest = hasher.update, hasher.intdigest
     view = memoryview(data)
     hashes: list[int] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.prefix import cache as prefix_cache
+from gateway.prefix.chain_cache import HashChainCache
 from gateway.prefix.hashing import block_hashes
 from tests.support.harness import running_gateway
 
@@ -24,13 +24,13 @@ def test_the_cap_keeps_exactly_the_leading_blocks() -> None:
 
 async def test_a_huge_prompt_is_served_and_indexed_only_up_to_the_cap(start_sim, stack, http, monkeypatch):
     threads: list[str] = []
-    real = prefix_cache.block_hashes
+    real = HashChainCache.block_hashes
 
     def recording(*args, **kwargs):  # the real hasher; notes which thread it ran on
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prefix_cache, "block_hashes", recording)
+    monkeypatch.setattr(HashChainCache, "block_hashes", recording)
     sim = await start_sim(model="m", max_model_len=10_000_000, kv_blocks=1_000_000)
     gw = await stack.enter_async_context(
         running_gateway([sim.url], policy="prefix-aware", prefix={"max_prompt_blocks": 2000})
