@@ -19,7 +19,12 @@ __all__ = ["DEFAULT_VARIANTS", "MODEL", "VARIANTS", "WRK_DIR", "Bench", "Row", "
 
 WRK_DIR = Path(__file__).resolve().parent.parent / "wrk"
 #: chat_session: the chat with an ``x-session-id`` (256 sessions in turn), agent traffic; not run by default
-VARIANTS = {"chat": "chat.lua", "chat_stream": "chat_stream.lua", "chat_session": "chat_session.lua"}
+VARIANTS = {
+    "chat": "chat.lua",
+    "chat_stream": "chat_stream.lua",
+    "chat_session": "chat_session.lua",
+    "agent": "agent.lua",  # a 56 KB streamed turn with 20 tools
+}
 DEFAULT_VARIANTS = ["chat", "chat_stream"]
 MODEL = "zero"
 

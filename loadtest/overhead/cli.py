@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--peers", type=_csv(str), default=["sglang-router", "vllm-router"])
     p.add_argument(
-        "--variants", type=_csv(str), default=DEFAULT_VARIANTS, help="chat,chat_stream[,chat_session]"
+        "--variants", type=_csv(str), default=DEFAULT_VARIANTS, help="chat,chat_stream[,chat_session,agent]"
     )
     p.add_argument("--upstream-workers", type=int, default=2, help="zero upstream processes (SO_REUSEPORT)")
     p.add_argument(
