@@ -185,6 +185,8 @@ class CircuitBreakers:
     def forget(self, url: str) -> None:
         """The endpoint left the fleet (discovery, admin): drop its breaker."""
         self._breakers.pop(url, None)
+        if self.shared is not None:
+            self.shared.forget(url)
 
     # ---- outcomes reported by the proxy ------------------------------------------
     def on_send(self, endpoint: Endpoint) -> None:

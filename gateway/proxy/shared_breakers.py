@@ -30,13 +30,13 @@ class SharedBreakerStates:
     def __init__(self, shared: SharedLoad) -> None:
         self._shared = shared
         self._table = shared.table
-        self._seen: dict[str, int] = {}  # endpoint name → the last version this worker acted on
+        self._seen: dict[str, int] = {}  # endpoint URL → the last version this worker acted on
 
     def publish(self, endpoint: Endpoint, open_until: float, ejections_in_row: int) -> None:
         """This worker ejected (``open_until`` > 0) or closed (0) the endpoint's breaker."""
         row = self._shared.row(endpoint)
         if row is not None:
-            self._seen[endpoint.name] = self._table.write_breaker(row, open_until, ejections_in_row, None)
+            self._seen[endpoint.url] = self._table.write_breaker(row, open_until, ejections_in_row, None)
 
     def claim_probe(self, endpoint: Endpoint, now: float, lease_s: float) -> bool:
         """Half-open: may this worker send the probe? (Always, for an endpoint without a row.)"""
@@ -44,7 +44,7 @@ class SharedBreakerStates:
         if row is None:
             return True
         claimed = self._table.claim_probe(row, now, lease_s)
-        self._seen[endpoint.name] = self._table.breaker_version(row)
+        self._seen[endpoint.url] = self._table.breaker_version(row)
         return claimed
 
     def keep_probe(self, endpoint: Endpoint, now: float) -> bool:
@@ -54,7 +54,7 @@ class SharedBreakerStates:
         if row is None:
             return True
         kept = self._table.keep_probe(row, now)
-        self._seen[endpoint.name] = self._table.breaker_version(row)
+        self._seen[endpoint.url] = self._table.breaker_version(row)
         return kept
 
     def holds_probe(self, endpoint: Endpoint) -> bool:
@@ -62,13 +62,18 @@ class SharedBreakerStates:
         row = self._shared.row(endpoint)
         return row is None or self._table.holds_probe(row)
 
+    def forget(self, url: str) -> None:
+        """The endpoint left: a row it gets when it comes back starts over at version 0, and
+        the version remembered from before would hide that row's first changes."""
+        self._seen.pop(url, None)
+
     def changed(self, endpoint: Endpoint) -> BreakerCell | None:
         """A sibling's change to this endpoint's breaker not yet acted on here, else None."""
         row = self._shared.row(endpoint)
         if row is None:
             return None
         version = self._table.breaker_version(row)
-        if version == self._seen.get(endpoint.name, 0):
+        if version == self._seen.get(endpoint.url, 0):
             return None
-        self._seen[endpoint.name] = version
+        self._seen[endpoint.url] = version
         return self._table.breaker(row)

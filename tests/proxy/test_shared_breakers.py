@@ -119,3 +119,43 @@ def test_a_worker_whose_claim_lapsed_sends_no_second_probe_and_waits_for_the_ver
     second.on_failure(a1, "http_500")  # second's probe failed: ejected again, everywhere
     first.review(now + 2.0)
     assert first.state(a0) is BreakerState.OPEN and a0.ejected
+
+
+def test_an_endpoint_that_left_and_came_back_is_adopted_again(tmp_path):
+    """A returning endpoint's row starts over at version 0: a worker that remembered the version
+    it had acted on before the endpoint left saw the new ejection (version 1 again) as seen."""
+    spec = create_table(str(tmp_path), rows=8, workers=2)
+    workers = []
+    for index in range(2):
+        registry = EndpointRegistry(
+            [Endpoint(url, configured_models=frozenset({"m"}), healthy=True) for url in URLS]
+        )
+        shared = SharedLoad(WorkerTable(spec, index), registry)
+        shared.refresh(force=True)
+        breakers = CircuitBreakers(
+            ResilienceConfig(consecutive_failures=2, ejection_s=5.0), registry, GatewayMetrics()
+        )
+        breakers.shared = SharedBreakerStates(shared)
+        workers.append((registry, shared, breakers))
+
+    def eject_on_first_and_review() -> tuple[Endpoint, Endpoint]:
+        (_, _, first), (second_registry, _, second) = workers
+        a0 = workers[0][0].get(URLS[0])
+        a1 = second_registry.get(URLS[0])
+        assert a0 is not None and a1 is not None
+        first.on_failure(a0, "http_500")
+        first.on_failure(a0, "http_500")
+        second.review(time.monotonic())
+        return a0, a1
+
+    _, a1 = eject_on_first_and_review()
+    assert a1.ejected
+    for registry, shared, breakers in workers:  # it leaves every worker: its row is freed
+        registry.remove(URLS[0])
+        breakers.forget(URLS[0])
+        shared.refresh(force=True)
+    for registry, shared, _ in workers:  # and comes back
+        registry.add(Endpoint(URLS[0], configured_models=frozenset({"m"}), healthy=True))
+        shared.refresh(force=True)
+    _, a1 = eject_on_first_and_review()
+    assert a1.ejected and workers[1][2].state(a1) is BreakerState.OPEN
