@@ -40,12 +40,13 @@ def nesting_exceeds(raw: bytes, limit: int) -> bool:
     """True if arrays/objects in ``raw`` nest deeper than ``limit`` levels (``{}`` is 1).
 
     Runs without recursion, only C-speed bytes operations, one pass over the body and a
-    few over what it keeps: keep brackets, quotes and escapes, drop escaped backslashes and
-    quotes (left to right, as JSON reads escapes), keep only brackets and quotes, drop strings (``""`` pairs first: most strings hold no bracket, and
-    dropping two adjacent quotes leaves every other character inside or outside a string as
-    it was; the few left are split off by quote parity), then peel the innermost ``[]`` pairs
-    up to ``limit`` times; a pair that survives was nested deeper. After ``p`` peels every
-    remaining container holds ``p`` more levels, so a run of ``limit + 1 - p`` openers
+    few over what it keeps: keep brackets, quotes and escapes; drop escaped backslashes and
+    quotes (left to right, as JSON reads escapes); keep only brackets and quotes; drop
+    strings (``""`` pairs first: most strings hold no bracket, and dropping two adjacent
+    quotes leaves every other character inside or outside a string as it was; the few left
+    are split off by quote parity); then peel the innermost ``[]`` pairs up to ``limit``
+    times; a pair that survives was nested deeper. After ``p`` peels every remaining
+    container holds ``p`` more levels, so a run of ``limit + 1 - p`` openers
     proves the answer at once (this ends ``[[[[…`` bombs before the first peel). Exact for
     valid JSON; invalid JSON is refused by both decoders, which refuse deep nesting too
     (``RecursionError``), so there the scan only has to stay linear. A per-string regex
