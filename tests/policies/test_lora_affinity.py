@@ -12,6 +12,8 @@ from gateway.fleet.endpoint import EngineKind
 from gateway.fleet.lora import LoraLoad, adapter_parents
 from gateway.fleet.scraper import parse_engine_metrics
 from gateway.prefix.hashing import block_hashes
+from loadtest.simulator import SimConfig
+from loadtest.simulator.server import start_runner
 from tests.policies.helpers import endpoint, make_plugin, request, with_metrics
 from tests.support.harness import debug_endpoints, wait_until
 
@@ -218,3 +220,35 @@ def test_adapters_are_in_the_prefix_keys():
     prompt = "the same long shared prompt " * 40
     assert set(block_hashes("base", prompt)).isdisjoint(block_hashes("sql", prompt))
     assert block_hashes("sql", prompt) == block_hashes("sql", prompt)
+
+
+async def test_a_model_is_listed_with_the_parent_that_a_healthy_replica_gives_it(
+    start_sim, start_gateway, http
+):
+    """ "x" is a base model on one replica and an adapter of sim-llama on another: once the
+    adapter's replica is down, "x" is listed as the base model it now only is."""
+    base = await start_sim(model="x")
+    runner, lora = await start_runner(SimConfig(port=0, enable_lora=True, lora_modules=("x",)))
+    gw = await start_gateway(
+        [base.url, lora.url],
+        scrape=FAST_SCRAPE,
+        health={"interval_s": 0.05, "timeout_s": 0.5, "unhealthy_threshold": 1, "models_refresh_s": 0.1},
+    )
+
+    async def parent_of_x() -> object:
+        async with http.get(gw.url + "/v1/models") as resp:
+            return next(m for m in (await resp.json())["data"] if m["id"] == "x").get("parent", "none")
+
+    await wait_until(lambda: _equals(parent_of_x(), "sim-llama"), 5.0, "the adapter listed with its parent")
+    await runner.cleanup()  # its replica goes down
+    rows = lambda: debug_endpoints(http, gw)  # noqa: E731
+    await wait_until(lambda: _down(rows(), lora.url), 5.0, "the adapter's replica marked down")
+    assert await parent_of_x() == "none"
+
+
+async def _equals(value: Any, expected: object) -> bool:
+    return await value == expected
+
+
+async def _down(rows: Any, url: str) -> bool:
+    return not (await rows)[url]["healthy"]
