@@ -21,6 +21,8 @@ before, with no header.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Sequence
 
@@ -29,6 +31,7 @@ from gateway.fleet.scraper import parse_rank_metrics
 
 __all__ = [
     "RANK_HEADER",
+    "RANK_REFUSED",
     "engine_ranks",
     "other_servers_first",
     "rank_out_of_range",
@@ -40,11 +43,16 @@ __all__ = [
 ]
 
 RANK_HEADER = "x-data-parallel-rank"
+# The retry reason of a rank the server no longer has (restarted with fewer): vLLM's 400
+# before any work; the same server is asked again without the header, its ranks learned anew.
+RANK_REFUSED = "rank_refused"
 # Series with one sample per rank. vLLM 0.32 (CPU build, --data-parallel-size 2) exports its
 # gauges (running, waiting, KV usage) for engine="0" only, its counters and cache_config_info
 # for every rank: the rank set is the union of their engine labels.
 _PER_RANK = ("vllm:cache_config_info{", "vllm:prefix_cache_queries_total{", "vllm:num_requests_running{")
 _MAX_RANKS = 1024
+_RANK_REFUSAL = re.compile(r"data_parallel_rank (\d{1,4}) is out of range \[0, (\d{1,4})\)\.?")
+_MAX_REFUSAL_BYTES = 4096  # vLLM's answer is ~150 bytes
 
 
 def rank_target(replica: Endpoint, rank: int) -> Endpoint:
@@ -126,10 +134,24 @@ def other_servers_first(ranked: Sequence[Endpoint]) -> list[Endpoint]:
     return first + later
 
 
-def rank_out_of_range(body: bytes) -> bool:
-    """vLLM's 400 for an ``X-data-parallel-rank`` the server does not have (a restart with
-    fewer ranks, before a scrape saw it): ``data_parallel_rank R is out of range [0, N).``"""
-    return b"data_parallel_rank" in body and b"out of range" in body
+def rank_out_of_range(body: bytes, rank: int) -> bool:
+    """Whether ``body`` is vLLM's 400 for ``rank``, a rank the server does not have (a restart
+    with fewer ranks, before a scrape saw it): ``data_parallel_rank R is out of range [0, N).``
+
+    The whole error message must be that sentence, for the rank sent and a smaller N: other
+    400s quote the client's own input back, and a client must not be able to word one."""
+    if len(body) > _MAX_REFUSAL_BYTES or b"data_parallel_rank" not in body:
+        return False
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return False
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) and isinstance(answer, dict):
+        message = answer.get("message")  # vLLM's older envelope: {"object": "error", "message": ...}
+    found = _RANK_REFUSAL.fullmatch(message) if isinstance(message, str) else None
+    return found is not None and int(found[1]) == rank and int(found[2]) <= rank
 
 
 def without_rank(refused: Endpoint, later: Sequence[Endpoint]) -> list[Endpoint]:
@@ -151,7 +173,7 @@ def engine_ranks(text: str) -> list[int]:
             continue
         _, found, rest = line.partition(',engine="' if "{engine=" not in line else '{engine="')
         value = rest.partition('"')[0]
-        if found and value.isascii() and value.isdigit() and value == str(int(value)):
+        if found and len(value) <= 4 and value.isascii() and value.isdigit() and value == str(int(value)):
             labels.add(int(value))
     ranks = []
     while len(ranks) in labels and len(ranks) < _MAX_RANKS:

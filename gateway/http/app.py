@@ -311,12 +311,14 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     state.membership.on_replaced = events.on_replaced
     state.plugin_context.saturation.pool_waiting = pool_waiting = lambda e: client.waiting(e.url)
     state.metrics.watch_pool_waiting(pool_waiting)
+    pd = PDCoordinator(client, state.config.pd, state.metrics)
+    pd.on_rank_refused = events.on_rank_refused
     state.proxy = Proxy(
         client,
         proxy_settings(state.config),
         state.metrics,
         state.breakers,
-        PDCoordinator(client, state.config.pd, state.metrics),
+        pd,
         after_request=events.after_request,
         on_rank_refused=events.on_rank_refused,
     )

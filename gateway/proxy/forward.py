@@ -26,7 +26,7 @@ from functools import partial
 from aiohttp import HttpVersion11, web
 
 from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, UpstreamTimeout
-from gateway.fleet.dp import RANK_HEADER, other_servers_first, rank_out_of_range, without_rank
+from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
@@ -62,11 +62,8 @@ log = logging.getLogger(__name__)
 STREAM_STARTED: web.RequestKey[bool] = web.RequestKey("stream_started", bool)
 
 # Retry reasons that say nothing against the endpoint tried: its prefill partner failed,
-# or it was already ejected while the request waited.
-# A data-parallel rank the server no longer has (restarted with fewer): vLLM's 400 before any
-# work. The same server is asked again without the header, and its ranks are learned anew.
-_RANK_REFUSED = "rank_refused"
-_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected", _RANK_REFUSED})
+# it was already ejected while the request waited, or it has no such rank (fleet/dp.py).
+_NOT_THE_ENDPOINTS_FAULT = frozenset({"prefill_failed", "ejected", RANK_REFUSED})
 _ERROR_BODY_WAIT_S = 2.0  # a 5xx's body, kept to pass on if no retry succeeds: at most this long
 _ERROR_BODY_MAX = 65536  # and this large
 
@@ -82,11 +79,10 @@ class Proxy:
         after_request: Callable[[Endpoint], None] | None = None,
         on_rank_refused: Callable[[Endpoint], None] | None = None,
     ) -> None:
-        """``after_request(endpoint)``: each attempt's end, once its hooks have run;
-        ``on_rank_refused(target)``: a data-parallel rank target's server refused its rank."""
+        """Hooks: ``after_request(endpoint)`` at each attempt's end; ``on_rank_refused(target)``."""
         self._client = client
         self._after_request = after_request
-        self._on_rank_refused = on_rank_refused
+        self._on_rank_refused = on_rank_refused or (lambda target: None)
         self.settings = settings
         self._metrics = metrics
         self._breakers = breakers
@@ -124,7 +120,7 @@ class Proxy:
             endpoint = attempts[index]
             budget -= 1
             if last_failure is not None:
-                if not await self._may_retry(attempt, retry_number := retry_number + 1):
+                if not await self._may_retry(attempt, retry_number := retry_number + 1, last_failure):
                     break
                 self._metrics.retries.labels(last_failure.reason).inc()
                 log.info(
@@ -140,11 +136,10 @@ class Proxy:
                 return await self._attempt(http_request, request, endpoint, extra_headers, attempt, body)
             except Retryable as failure:
                 last_failure = failure
-                if failure.reason == _RANK_REFUSED:
+                if failure.reason == RANK_REFUSED:
                     attempts[index + 1 :] = without_rank(endpoint, attempts[index + 1 :])
                     budget += 1
-                    if self._on_rank_refused is not None:
-                        self._on_rank_refused(endpoint)
+                    self._on_rank_refused(endpoint)
                 if failure.reason != "prefill_failed":
                     index += 1
             finally:
@@ -159,14 +154,16 @@ class Proxy:
             code="upstream_unavailable",
         )
 
-    async def _may_retry(self, attempt: Attempt, retry_number: int) -> bool:
+    async def _may_retry(self, attempt: Attempt, retry_number: int, failure: Retryable) -> bool:
         """Spend from the retry budget, then back off (full jitter) within the deadline.
 
         Never once the deadline has passed: a re-send with no time left would time out at
-        once and be charged to an endpoint it never reached."""
+        once and be charged to an endpoint it never reached. A refused rank's re-send is free."""
         loop = asyncio.get_running_loop()
         if loop.time() >= attempt.deadline:
             return False
+        if failure.reason == RANK_REFUSED:
+            return True
         if not attempt.settings.retry_budget.try_spend():
             self._metrics.retry_budget_exhausted.inc()
             return False
@@ -321,10 +318,14 @@ class Proxy:
             # a truncated text. Nothing reached the client yet: re-send it elsewhere.
             self._metrics.upstream_errors.labels(endpoint.name, "aborted").inc()
             raise Retryable("aborted")
-        if upstream.status == 400 and endpoint.dp_rank is not None and rank_out_of_range(body):
-            self._metrics.upstream_errors.labels(endpoint.name, _RANK_REFUSED).inc()
+        if (
+            upstream.status == 400
+            and endpoint.dp_rank is not None
+            and rank_out_of_range(body, endpoint.dp_rank)
+        ):
+            self._metrics.upstream_errors.labels(endpoint.name, RANK_REFUSED).inc()
             headers["content-type"] = upstream.content_type
-            raise Retryable(_RANK_REFUSED, web.Response(status=400, body=body, headers=headers))
+            raise Retryable(RANK_REFUSED, web.Response(status=400, body=body, headers=headers))
         if upstream.status == 200:
             request.context.answer_head = body[:4096]
         attempt.hooks.on_first_byte(request, endpoint)

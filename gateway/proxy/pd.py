@@ -25,14 +25,14 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
 from gateway.errors import UpstreamError
-from gateway.fleet.dp import RANK_HEADER, other_servers_first
+from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
 from gateway.proxy.attempt import Retryable
@@ -77,11 +77,17 @@ class PDState:
     deadline: float = math.inf  # loop time by which the whole request must end: bounds every leg
 
 
+class _RankRefused(Exception):
+    """The prefill server has no such data-parallel rank (restarted with fewer)."""
+
+
 class PDCoordinator:
     def __init__(self, client: UpstreamClient, config: PDConfig, metrics: GatewayMetrics) -> None:
         self._client = client
         self._config = config
         self._metrics = metrics
+        # A prefill rank target's server refused its rank (wired to the fleet's events).
+        self.on_rank_refused: Callable[[Endpoint], None] = lambda target: None
 
     async def prepare(
         self,
@@ -102,11 +108,18 @@ class PDCoordinator:
         state.deadline = deadline
         # Another prefill server before another rank of one that failed (it fails on every rank).
         untried = [e for e in other_servers_first(prefill_ranked) if e not in state.failed_prefill]
-        for endpoint in untried[: 1 + retries]:
+        queue, index = untried[: 1 + retries], 0
+        while index < len(queue):
+            endpoint, index = queue[index], index + 1
             if self._config.protocol == "sglang":
                 state.leg = self._start_sglang(request, endpoint, hooks)
                 return state.leg
-            leg = await self._vllm_prefill(request, endpoint, hooks)
+            try:
+                leg = await self._vllm_prefill(request, endpoint, hooks)
+            except _RankRefused:  # the same server next, without the header (vLLM picks the rank)
+                queue[index:] = without_rank(endpoint, queue[index:])
+                self.on_rank_refused(endpoint)
+                continue
             if leg is not None:
                 state.leg = leg
                 return leg
@@ -164,6 +177,10 @@ class PDCoordinator:
                 )
                 payload = await response.read(_MAX_PREFILL_ANSWER_BYTES)
             if response.status != 200:
+                rank = endpoint.dp_rank
+                if response.status == 400 and rank is not None and rank_out_of_range(payload, rank):
+                    self._metrics.child(self._metrics.pd_prefill_failures, RANK_REFUSED).inc()
+                    raise _RankRefused
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
                 verdict = f"http_{response.status}" if response.status >= 500 else None  # 4xx: the request's
                 return None

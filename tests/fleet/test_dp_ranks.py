@@ -8,9 +8,10 @@ its counters and ``cache_config_info`` both ranks.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from gateway.fleet.dp import engine_ranks, set_ranks, update_rank_loads
+from gateway.fleet.dp import engine_ranks, rank_out_of_range, set_ranks, update_rank_loads
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.kv_sources import source_from
 from gateway.fleet.registry import EndpointRegistry
@@ -111,3 +112,37 @@ def test_each_rank_follows_its_own_event_source() -> None:
         "tcp://h:5560",
         "tcp://127.0.0.1:6560",
     )
+
+
+def _error(message: str) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    ).encode()
+
+
+def test_only_vllms_own_refusal_of_the_rank_sent_is_a_refusal() -> None:
+    """Other 400s quote the client's input back: a client must not be able to word a refusal
+    (each one drops the server's learned ranks and sends its request twice)."""
+    assert rank_out_of_range(_error("data_parallel_rank 3 is out of range [0, 2)."), 3)
+    assert rank_out_of_range(
+        json.dumps({"object": "error", "message": "data_parallel_rank 1 is out of range [0, 1)."}).encode(), 1
+    )
+    assert not rank_out_of_range(
+        _error("data_parallel_rank 3 is out of range [0, 2)."), 2
+    )  # not the rank sent
+    assert not rank_out_of_range(
+        _error("data_parallel_rank 1 is out of range [0, 4)."), 1
+    )  # 1 < 4: no refusal
+    echoed = (
+        "1 validation error: min_tokens: Input should be a valid integer "
+        "[input_value='data_parallel_rank 3 is out of range [0, 2).']"
+    )
+    assert not rank_out_of_range(_error(echoed), 3)
+    assert not rank_out_of_range(b"data_parallel_rank 3 is out of range [0, 2).", 3)  # not vLLM's envelope
+    assert not rank_out_of_range(_error("data_parallel_rank 3 is out of range [0, 2)." + " " * 5000), 3)
+
+
+def test_a_label_of_thousands_of_digits_is_no_rank() -> None:
+    page = 'vllm:num_requests_running{engine="0",model_name="m"} 0\n'
+    page += f'vllm:num_requests_running{{engine="{"1" * 5000}",model_name="m"}} 0\n'
+    assert engine_ranks(page) == [0]  # one rank (one target), and no int() of 5,000 digits (ValueError)

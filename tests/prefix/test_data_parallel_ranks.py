@@ -187,7 +187,10 @@ async def test_a_quick_restart_with_fewer_ranks_loses_no_request(start_gateway, 
     without the header, and a scrape at once learns the new ranks (not the next round, 30 s on)."""
     config = SimConfig(port=0, time_scale=5.0, data_parallel_size=3)
     runner, sim = await start_runner(config)
-    gw = await start_gateway(gateway_config([sim.url], prefix={"exact": "off"}, **SLOW_WATCH))
+    spent = {"retry_budget_ratio": 0.0, "retry_budget_min_per_s": 0.0}  # no retry: the re-send is none
+    gw = await start_gateway(
+        gateway_config([sim.url], prefix={"exact": "off"}, resilience=spent, **SLOW_WATCH)
+    )
     await wait_ranks(gw, sim, 3, live=False)
     await runner.cleanup()
     config.data_parallel_size = 2
@@ -212,19 +215,22 @@ async def test_configured_ranks_the_server_does_not_have_are_re_sent_without_the
 ) -> None:
     """A configured ``data_parallel_size`` is kept (the config is wrong, and logged), but no
     request fails for it: a refused rank is asked again without the header."""
-    (sim,) = await start_sims(1, time_scale=5.0)  # one rank: vLLM refuses rank 1
+    (sim,) = await start_sims(1, time_scale=5.0, data_parallel_size=2)  # vLLM refuses ranks 2 and 3
     config = gateway_config([sim.url], prefix={"exact": "off"}, scrape={"enabled": False})
     config = config.model_copy(
-        update={"endpoints": [config.endpoints[0].model_copy(update={"data_parallel_size": 2})]}
+        update={"endpoints": [config.endpoints[0].model_copy(update={"data_parallel_size": 4})]}
     )
     gw = await start_gateway(config)
-    await wait_ranks(gw, sim, 2, live=False)
-    served = await asyncio.gather(*(ask(http, gw, document(700 + i), max_tokens=20) for i in range(6)))
-    assert {endpoint for endpoint, _, _ in served} <= {f"{host(sim)}#dp0", host(sim)}
-    assert host(sim) in {endpoint for endpoint, _, _ in served}  # a rank 1 request, answered by the server
+    await wait_ranks(gw, sim, 4, live=False)
+    served = []
+    for wave in range(3):  # far past the retry budget (20 % of requests + 5/s): the re-sends are free
+        served += await asyncio.gather(*(ask(http, gw, document(700 + 100 * wave + i)) for i in range(100)))
+    endpoints = {endpoint for endpoint, _, _ in served}
+    assert endpoints <= {f"{host(sim)}#dp0", f"{host(sim)}#dp1", host(sim)}
+    assert host(sim) in endpoints  # requests for ranks 2 and 3, answered by the server itself
     text = await (await http.get(gw.url + "/metrics")).text()
-    assert metric_value(text, "llm_gateway_upstream_errors_total", endpoint=f"{host(sim)}#dp1") >= 1
-    assert [t.dp_rank for t in registry(gw).targets()] == [0, 1]  # configured: kept
+    assert metric_value(text, "llm_gateway_upstream_errors_total", endpoint=f"{host(sim)}#dp3") >= 1
+    assert [t.dp_rank for t in registry(gw).targets()] == [0, 1, 2, 3]  # configured: kept
 
 
 async def test_configured_ranks_route_from_the_first_request(start_sims, start_gateway, http) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from tests.support.harness import running_gateway, wait_until
+from tests.support.harness import metric_value, running_gateway, wait_until
 
 TRANSFER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
             "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
@@ -59,14 +59,14 @@ def _completion(**extra: object) -> web.Response:
 
 @contextlib.asynccontextmanager
 async def _server(
-    name: str, calls: list[tuple[str, str | None]], answer: Answer, page: str
+    name: str, calls: list[tuple[str, str | None]], answer: Answer, page: str | Callable[[], str]
 ) -> AsyncIterator[str]:
     async def chat(request: web.Request) -> web.Response:
         calls.append((name, request.headers.get("x-data-parallel-rank")))
         return await answer(await request.json())
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=page, content_type="text/plain")
+        return web.Response(text=page if isinstance(page, str) else page(), content_type="text/plain")
 
     app = web.Application()
     app.router.add_get("/health", _ok)
@@ -125,3 +125,66 @@ async def test_a_failed_prefill_goes_to_another_prefill_server_not_another_rank_
             async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
         assert [server for server, _ in calls] == ["P", "Q", "D"], calls  # never P's other rank
+
+
+async def test_a_prefill_server_restarted_with_fewer_ranks_is_asked_again_without_the_header() -> None:
+    """Restarted with one rank of four between two scrapes: a prefill leg sent to a gone rank
+    gets vLLM's 400; the same server is asked again without the header, its ranks drop and are
+    learned again at once, and no request falls back to decode-only."""
+    calls: list[tuple[str, str | None]] = []
+    ranks = {"P": 4}
+
+    async def prefill(body: dict) -> web.Response:
+        rank = calls[-1][1]
+        if rank is not None and int(rank) >= ranks["P"]:
+            message = f"data_parallel_rank {rank} is out of range [0, {ranks['P']})."
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        return _completion(kv_transfer_params=TRANSFER)
+
+    async def decode(body: dict) -> web.Response:
+        return _completion()
+
+    async with (
+        _server("P", calls, prefill, lambda: _page(list(range(ranks["P"])), 0.0)) as p,
+        _server("D", calls, decode, _page([0], 0.0)) as d,
+    ):
+        fleet = [
+            {"url": p, "role": "prefill", "engine": "vllm", "models": ["tiny"]},
+            {"url": d, "role": "decode", "engine": "vllm", "models": ["tiny"]},
+        ]
+        slow_watch = {"scrape": {"interval_s": 30.0}, "health": {"interval_s": 30.0}}
+        async with (
+            running_gateway(
+                fleet, resilience={"retry_backoff_s": 0.0}, **slow_watch, **_QUEUE_RANKED_PD
+            ) as gw,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def ranks_of_p() -> list[str]:
+                return [t.name for t in gw.state.registry.targets() if t.url == p]
+
+            await wait_until(lambda: _length(ranks_of_p(), 4), 5.0, "P's four ranks learned")
+            ranks["P"] = 1
+            for i in range(8):
+                body = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"hello {i}"}],
+                    "max_tokens": 4,
+                }
+                async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+            await wait_until(lambda: _length(ranks_of_p(), 1), 5.0, "P routed as one target again")
+            text = await (await http.get(gw.url + "/metrics")).text()
+        prefill_legs = [rank for server, rank in calls if server == "P"]
+        assert len([r for r in prefill_legs if r not in (None, "0")]) <= 1, (
+            prefill_legs
+        )  # one refusal at most
+        assert not metric_value(
+            text, "llm_gateway_pd_decisions_total", mode="decode_only", reason="prefill_failed"
+        )
+        assert len([server for server, _ in calls if server == "D"]) == 8
+
+
+async def _length(names: Awaitable[list[str]], n: int) -> bool:
+    return len(await names) == n
