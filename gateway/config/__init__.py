@@ -82,6 +82,7 @@ class ServerConfig(_Strict):
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header field")
     max_headers: int = Field(64, ge=8, description="most request header fields")
     max_json_depth: int = Field(32, ge=2, description="deepest nesting accepted in a request body")
+    max_json_containers: int = Field(100_000, ge=1, description="most arrays and objects in a request body")
     drain_s: float = Field(5.0, ge=0, description="on SIGTERM: report not-ready this long before closing")
     # Slow or silent clients (slowloris) must not hold sockets: every phase of reading a
     # request has a deadline. None of them limits a response, so long streams are unaffected.
@@ -113,10 +114,9 @@ class TimeoutConfig(_Strict):
 
 class LimitConfig(_Strict):
     upstream_connections: int = Field(4096, ge=1, description="aiohttp connector limit, all endpoints")
-    # Per worker. Above the largest batch an engine runs (vLLM's default max_num_seqs is 1024 on
-    # >= 70 GiB GPUs, 256 below), so overload queues in the engine, which schedules by KV space and
-    # reports it as waiting; past the cap requests wait in the gateway's pool, exported as
-    # llm_gateway_endpoint_pool_waiting_requests and counted as queued by the saturation detector.
+    # Per worker. Above the largest batch an engine runs (vLLM's max_num_seqs: 1024 on >= 70 GiB GPUs, 256
+    # below), so overload queues in the engine, which schedules by KV space; past the cap requests wait in
+    # the pool (llm_gateway_endpoint_pool_waiting_requests, queued for the saturation detector).
     upstream_connections_per_endpoint: int = Field(
         2048, ge=0, description="pooled connections per endpoint, per worker; 0 = unlimited"
     )
@@ -259,8 +259,8 @@ class ResilienceConfig(_Strict):
     stall_s: float = Field(
         1.5,
         gt=0,
-        description="requests waiting this long for a first byte that the engine's fresh metrics"
-        " do not count mark the endpoint stalled",
+        description="requests waiting this long for a first byte that the engine's fresh"
+        " metrics do not count mark the endpoint stalled",
     )
     check_interval_s: float = Field(0.25, gt=0, description="how often ejections and stalls are reviewed")
 

@@ -193,6 +193,7 @@ def parse_options(config: GatewayConfig) -> ParseOptions:
         priority_header=config.admission.priority_header,
         tenant_header=config.admission.tenant_header,
         max_json_depth=config.server.max_json_depth,
+        max_json_containers=config.server.max_json_containers,
         slo=SloOptions(
             ttft_header=config.admission.slo.ttft_header,
             tpot_header=config.admission.slo.tpot_header,

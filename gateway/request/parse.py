@@ -54,13 +54,14 @@ def default_session_sources(header: str, body_fields: tuple[str, ...]) -> tuple[
 
 @dataclass(frozen=True, slots=True)
 class ParseOptions:
-    """Where session, priority and tenant come from (configurable names), and the depth limit."""
+    """Where session, priority and tenant come from (configurable names), and the body's shape limits."""
 
     session_header: str = "x-session-id"
     session_body_fields: tuple[str, ...] = ("user",)
     priority_header: str = "x-priority"
     tenant_header: str = "x-tenant-id"
     max_json_depth: int = 32
+    max_json_containers: int = 100_000
     # header:<name> / body:<field> (dotted for nested) / CHAIN_SOURCE, tried in order, the
     # first present wins; empty: default_session_sources(session_header, session_body_fields).
     # A Responses request with previous_response_id that reaches CHAIN_SOURCE takes the
@@ -133,7 +134,7 @@ def parse_request(
     model); ``path``: the upstream path when it is not the API's own (``/rerank``); ``form``:
     a multipart body's parts (audio), whose text fields stand for the JSON body."""
     if form is None:
-        body, numbers = load_object(raw_body, options.max_json_depth)
+        body, numbers = load_object(raw_body, options.max_json_depth, options.max_json_containers)
     else:
         body, numbers = form.fields(), None
     model = body.get("model")

@@ -376,6 +376,37 @@ def test_depth_limit_is_exact(live, client, depth, status):
     assert_still_serves(live, client)
 
 
+def _containers(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(_containers(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_containers(v) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize(("total", "status"), [(100_000, 200), (100_001, 400)])
+def test_container_limit_is_exact(live, client, total, status):
+    """``server.max_json_containers`` (100,000 arrays and objects, the body's own included):
+    past it a body is refused before it is decoded (15 MB of nested towers held the event
+    loop 4.7 s)."""
+    empties = total - _containers(VALID[CHAT]) - 1  # the array that holds them is one more
+    nested = "[" + ",".join(["[]"] * empties) + "]"
+    raw = json.dumps({**VALID[CHAT], "x_many": "__N__"}).replace('"__N__"', nested).encode()
+    resp = post_raw(client, CHAT, raw)
+    if status == 200:
+        assert resp.status_code == 200, resp.text[:300]
+    else:
+        error = assert_openai_error(resp, 400)
+        assert error["code"] == "json_too_large" and "100000" in error["message"], error
+    assert_still_serves(live, client)
+
+
+def test_brackets_in_strings_are_no_containers(live, client):
+    raw = json.dumps({**VALID[CHAT], "x_text": "[{" * 150_000}).encode()
+    assert post_raw(client, CHAT, raw).status_code == 200
+    assert_still_serves(live, client)
+
+
 @FUZZ
 @given(case=broken_encoding())
 def test_invalid_utf8_is_400(live, client, case):

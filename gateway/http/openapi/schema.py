@@ -72,7 +72,8 @@ def _field_schema(rule: FieldRule) -> Schema:
 _BODY_NOTE = (
     "Unknown fields are forwarded to the engine untouched. Every number in the body must fit "
     "an IEEE double (integral values such as 5.0 count as integers); nesting deeper than "
-    "`server.max_json_depth` (default 32) and bodies over `server.max_body_bytes` are refused."
+    "`server.max_json_depth` (default 32), more arrays and objects than `server.max_json_containers` "
+    "(default 100,000) and bodies over `server.max_body_bytes` are refused."
 )
 
 
