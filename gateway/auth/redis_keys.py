@@ -80,8 +80,13 @@ class _Fetched:
 
 @dataclass(slots=True)
 class _Cached:
-    tenant: Tenant | None
+    tenant: Tenant
     expires: float
+
+
+# Keys Redis said are unknown, remembered apart: anyone can send random keys, and they must
+# not push out the valid keys that carry the gateway through a Redis outage.
+_MAX_REFUSED = 10_000
 
 
 class RedisKeyStore:
@@ -106,14 +111,18 @@ class RedisKeyStore:
             "API key store", budget_s=budget_s, retry_after_s=retry_after_s, on_fallback=on_fallback
         )
         self._cache: OrderedDict[str, _Cached] = OrderedDict()  # sha256 → tenant, LRU order
+        self._refused: OrderedDict[str, float] = OrderedDict()  # sha256 → refused until, oldest first
         self._inflight: dict[str, asyncio.Future[_Fetched | None]] = {}
 
     async def lookup(self, raw_key: str) -> Tenant | None:
         digest = hash_key(raw_key)
+        now = time.monotonic()
         cached = self._cache.get(digest)
-        if cached is not None and cached.expires > time.monotonic():
+        if cached is not None and cached.expires > now:
             self._cache.move_to_end(digest)
             return cached.tenant
+        if self._refused.get(digest, 0.0) > now:
+            return None
         fetch = self._inflight.get(digest)
         if fetch is None:
             fetch = asyncio.ensure_future(self._refresh(digest))
@@ -125,16 +134,26 @@ class RedisKeyStore:
         cached = self._cache.get(digest)
         if cached is not None:
             return cached.tenant  # Redis slow or down: stale beats failing every request
+        if digest in self._refused:
+            return None
         raise KeyStoreUnavailable(f"API key {digest[:8]}… is not cached and Redis did not answer")
 
     async def _refresh(self, digest: str) -> _Fetched | None:
         fetched = await self._guard.call(self._fetch(digest))
-        if fetched is not None:
-            ttl = self.cache_ttl_s if fetched.tenant is not None else self.negative_ttl_s
-            self._cache[digest] = _Cached(fetched.tenant, time.monotonic() + ttl)
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+        if fetched is None:
+            return None
+        if fetched.tenant is None:  # unknown or revoked
+            self._cache.pop(digest, None)
+            self._refused[digest] = time.monotonic() + self.negative_ttl_s
+            self._refused.move_to_end(digest)
+            while len(self._refused) > _MAX_REFUSED:
+                self._refused.popitem(last=False)
+            return fetched
+        self._refused.pop(digest, None)
+        self._cache[digest] = _Cached(fetched.tenant, time.monotonic() + self.cache_ttl_s)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._max_cached:
+            self._cache.popitem(last=False)
         return fetched
 
     async def _fetch(self, digest: str) -> _Fetched:
@@ -171,6 +190,7 @@ class RedisKeyStore:
     def reload(self) -> int:
         """Forget the cache: the next lookup of every key asks Redis."""
         self._cache.clear()
+        self._refused.clear()
         return -1
 
     async def close(self) -> None:

@@ -122,6 +122,23 @@ async def test_redis_down_serves_cached_keys_and_refuses_to_guess(
     assert await store.lookup(RAW) is None
 
 
+async def test_random_keys_do_not_push_valid_keys_out_of_the_cache(
+    redis_servers: Any, redis_client: MakeClient
+) -> None:
+    """Unknown keys cost anyone nothing to send: they must not evict the valid keys that carry
+    the gateway through a Redis outage (100,500 random keys flushed a 100,000-entry cache)."""
+    server = redis_servers()
+    await add_key(redis_client(server.url), "p", RAW, ACME)
+    store = store_on(redis_client(server.url), "p", cache_ttl_s=0.05, budget_s=0.3, max_cached=50)
+    assert await store.lookup(RAW) == ACME
+    for i in range(500):
+        assert await store.lookup(f"sk-random-{i}") is None
+    server.kill()
+    await asyncio.sleep(0.1)  # stale: only the cache can answer now
+    assert await store.lookup(RAW) == ACME
+    assert await store.lookup("sk-random-499") is None  # known unknown, still refused while Redis is down
+
+
 async def test_a_broken_tenant_record_refuses_its_keys_and_says_why(
     redis_url: str, key_prefix: str, redis_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:
