@@ -35,9 +35,11 @@ __all__ = [
     "Unauthorized",
     "UpstreamError",
     "UpstreamTimeout",
+    "bounded",
     "error_body",
     "error_format",
     "error_response",
+    "quoted",
 ]
 
 # The cancel message of a handler the gateway itself ends (the shutdown timeout): code that
@@ -51,6 +53,24 @@ class ErrorFormat(StrEnum):
 
 
 _MAX_RETRY_AFTER_S = 86_400
+# An error may quote the client's own input (a model name, an id, a form field's name); it is
+# never sent back whole: a 15 MB model name came back as a 45 MB 404.
+_MAX_MESSAGE_CHARS = 2048
+_MAX_PARAM_CHARS = 256
+
+
+def quoted(value: str) -> str:
+    """A client's value as an error message names it: quoted, its start only if it is long."""
+    return repr(bounded(value, 120))
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text``, or its start and how long it was: at most ``limit`` characters either way."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40]}…({len(text)} characters)"
+
+
 _ANTHROPIC_ROUTES = ("/v1/messages",)  # and everything under it (count_tokens)
 
 
@@ -94,9 +114,10 @@ class GatewayError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
     ) -> None:
+        message = bounded(message, _MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else bounded(param, _MAX_PARAM_CHARS)
         if code is not None:
             self.code = code
         self.retry_after = retry_after
@@ -212,6 +233,8 @@ def error_response(
     headers: dict[str, str] | None = None,
     fmt: ErrorFormat = ErrorFormat.OPENAI,
 ) -> web.Response:
+    message = bounded(message, _MAX_MESSAGE_CHARS)
+    param = None if param is None else bounded(param, _MAX_PARAM_CHARS)
     if fmt is ErrorFormat.ANTHROPIC:
         error = {"type": _anthropic_type(status), "message": message}
         body: dict[str, Any] = {"type": "error", "error": error}

@@ -29,7 +29,7 @@ from gateway.auth import (
 )
 from gateway.auth.keyfile import FileKeyStore
 from gateway.config import AuthConfig, ConfigError
-from gateway.errors import AuthUnavailable, Forbidden, Unauthorized
+from gateway.errors import AuthUnavailable, Forbidden, Unauthorized, quoted
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.types import InferenceRequest, Priority
 
@@ -107,7 +107,7 @@ class TenantAuth:
     def authorize(self, tenant: Tenant, request: InferenceRequest, priority_given: bool) -> None:
         if not tenant.allows_model(request.model):
             self._metrics.auth_failures.labels("model_not_allowed").inc()
-            raise Forbidden(f"this key may not use model {request.model!r}", param="model")
+            raise Forbidden(f"this key may not use model {quoted(request.model)}", param="model")
         request.tenant = tenant.name
         if not priority_given or Priority(request.priority).rank < Priority(tenant.priority).rank:
             request.priority = tenant.priority  # a header may lower the tenant's priority, never raise it

@@ -14,6 +14,7 @@ import time
 
 from aiohttp import web
 
+from gateway.errors import bounded
 from gateway.request.types import InferenceRequest
 
 __all__ = ["INFERENCE_REQUEST", "AccessLog"]
@@ -21,6 +22,7 @@ __all__ = ["INFERENCE_REQUEST", "AccessLog"]
 INFERENCE_REQUEST: web.RequestKey[InferenceRequest] = web.RequestKey("inference_request", InferenceRequest)
 
 log = logging.getLogger("llm_gateway.access")
+_MAX_NAME_CHARS = 256  # a model or tenant name as the client sent it: a line per request must stay small
 
 
 class AccessLog:
@@ -39,7 +41,8 @@ class AccessLog:
         request = http_request.get(INFERENCE_REQUEST)
         if request is not None:
             context = request.context
-            record.update(model=request.model, priority=request.priority, tenant=request.tenant)
+            model, tenant = bounded(request.model, _MAX_NAME_CHARS), bounded(request.tenant, _MAX_NAME_CHARS)
+            record.update(model=model, priority=request.priority, tenant=tenant)
             if context.endpoint is not None:
                 record["endpoint"] = context.endpoint
             if context.ttft_ms is not None:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import ModelNotFound, NoHealthyEndpoint
+from gateway.errors import ModelNotFound, NoHealthyEndpoint, quoted
 from gateway.fleet.endpoint import Endpoint
 from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
@@ -131,8 +131,8 @@ def _candidates(state: GatewayState, model: str) -> list[Endpoint]:
     candidates = state.registry.candidates(model)
     if not candidates:
         if not state.registry.is_known_model(model):
-            raise ModelNotFound(f"The model {model!r} does not exist", param="model")
-        raise NoHealthyEndpoint(f"no healthy endpoint serves model {model!r}")
+            raise ModelNotFound(f"The model {quoted(model)} does not exist", param="model")
+        raise NoHealthyEndpoint(f"no healthy endpoint serves model {quoted(model)}")
     return candidates
 
 

@@ -32,7 +32,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from gateway.errors import BadRequest, Conflict, NotFound, UpstreamError
+from gateway.errors import BadRequest, Conflict, NotFound, UpstreamError, quoted
 from gateway.fleet.endpoint import Endpoint, Role
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.state import STATE, GatewayState
@@ -124,7 +124,8 @@ async def _record(
         state.routes.lookup(result)
     if record is None:
         raise NotFound(
-            f"Response with id {response_id!r} not found.",  # OpenAI's words; says nothing of who owns it
+            # OpenAI's words; says nothing of who owns it
+            f"Response with id {quoted(response_id)} not found.",
             param=param,
             code="response_not_found",
         )
@@ -138,7 +139,7 @@ def _replica(state: GatewayState, record: ResponseRecord, response_id: str) -> E
             state.routes.lookup("replica_unavailable")
         why = "has left the fleet" if endpoint is None else "is unhealthy"
         raise Conflict(
-            f"Response {response_id!r} is stored on replica {record.endpoint}, which {why}: "
+            f"Response {quoted(response_id)} is stored on replica {record.endpoint}, which {why}: "
             "the stored response's replica is unavailable (start a new conversation, or retry later)",
             code="response_replica_unavailable",
         )
@@ -228,7 +229,7 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
             "request %s: %s %s on %s failed: %s", request_id, http_request.method, url, endpoint.name, exc
         )
         raise Conflict(
-            f"Response {response_id!r} is stored on replica {endpoint.name}, which did not answer: "
+            f"Response {quoted(response_id)} is stored on replica {endpoint.name}, which did not answer: "
             "the stored response's replica is unavailable",
             code="response_replica_unavailable",
         ) from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, quoted
 
 __all__ = ["Form", "parse_form"]
 
@@ -47,7 +47,8 @@ class Form:
                 try:
                     out[part.name] = part.data.decode()
                 except UnicodeDecodeError:
-                    raise BadRequest(f"form field {part.name!r} is not UTF-8 text", param=part.name) from None
+                    message = f"form field {quoted(part.name)} is not UTF-8 text"
+                    raise BadRequest(message, param=part.name) from None
         if "stream" in out:  # a form says "true"; the rest of the gateway reads a JSON boolean
             flag = str(out.pop("stream")).strip().lower()
             if flag not in ("true", "false", "1", "0"):
@@ -106,6 +107,6 @@ def parse_form(raw: bytes, content_type: str) -> Form:
             raise BadRequest("malformed multipart body: a part has no form-data name")
         is_file = _FILENAME.search(head) is not None
         if not is_file and len(data) > _MAX_FIELD_BYTES:
-            raise BadRequest(f"form field {name.group(1).decode(errors='replace')!r} is too long")
+            raise BadRequest(f"form field {quoted(name.group(1).decode(errors='replace'))} is too long")
         parts.append(_Part(head, name.group(1).decode(errors="replace"), data, is_file))
     return Form(boundary, tuple(parts))

@@ -129,3 +129,21 @@ async def test_a_25_mb_audio_file_passes_where_a_json_body_that_large_is_refused
         gw.url + "/v1/chat/completions", json={"model": "whisper", "messages": [], "pad": padding}
     ) as resp:
         assert resp.status == 413
+
+
+async def test_a_huge_field_name_is_not_echoed_whole(start_upstream, start_gateway, http):
+    """A field name of 8 MB of invalid UTF-8 came back 12 times larger (each byte U+FFFD, each
+    written ``\\ufffd``, in the message and as ``param``)."""
+    whisper = await start_upstream(models=("whisper",))
+    gw = await start_gateway([whisper.url])
+    name = b"\xff" * 2_000_000
+    body = (
+        b'--x\r\nContent-Disposition: form-data; name="' + name + b'"\r\n\r\n\xff\r\n'
+        b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--x--\r\n'
+    )
+    headers = {"content-type": "multipart/form-data; boundary=x"}
+    async with http.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as resp:
+        raw = await resp.read()
+        assert resp.status == 400
+    assert len(raw) < 4096 and "not UTF-8" in (await resp.json())["error"]["message"]
+    assert not whisper.requests

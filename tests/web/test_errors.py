@@ -268,3 +268,23 @@ async def test_known_priorities_are_accepted(value, gw_up, http):
     gw, _ = gw_up
     async with http.post(gw.url + CHAT, json=chat_body(), headers={"x-priority": value}) as resp:
         assert resp.status == 200
+
+
+async def test_errors_quote_at_most_a_bounded_part_of_the_clients_input(gw_up, http):
+    """An error may name the client's value, never all of it: a 15 MB model name came back as a
+    45 MB 404 (``é`` escaped to ``\\u00e9``), and a Responses id of 4 MB as a 4 MB one."""
+    gw, _ = gw_up
+    huge = "é" * 2_000_000
+    async with http.post(gw.url + CHAT, json=chat_body(huge)) as resp:
+        raw = await resp.read()
+        assert resp.status == 404
+    error = json.loads(raw)["error"]
+    assert (
+        len(raw) < 16_384 and error["code"] == "model_not_found" and "2000000 characters" in error["message"]
+    )
+    body = {"model": "tiny", "input": "hi", "previous_response_id": "r" * 4_000_000}
+    async with http.post(gw.url + "/v1/responses", json=body) as resp:
+        raw = await resp.read()
+        assert resp.status in (400, 404)
+    assert len(raw) < 4096
+    await assert_serves(http, gw)
