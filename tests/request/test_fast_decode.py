@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -89,12 +90,20 @@ _NESTED = st.recursive(
 
 
 @settings(max_examples=500, deadline=None)
-@given(value=_NESTED, limit=st.integers(min_value=0, max_value=8), ascii_only=st.booleans())
-def test_the_depth_scan_is_exact_on_valid_json(value: object, limit: int, ascii_only: bool) -> None:
+@given(
+    value=_NESTED,
+    limit=st.integers(min_value=0, max_value=8),
+    ascii_only=st.booleans(),
+    split_slice=st.sampled_from([1, 3, 7, 1 << 20]),
+)
+def test_the_depth_scan_is_exact_on_valid_json(
+    value: object, limit: int, ascii_only: bool, split_slice: int
+) -> None:
     """Strings full of brackets, quotes and backslashes (escaped as JSON escapes them) never
-    count as nesting, and every real level does."""
+    count as nesting, and every real level does, however the strings fall across the slices."""
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
-    assert guards.nesting_exceeds(raw, limit) is (_depth(value) > limit)
+    with mock.patch.object(guards, "_SPLIT_SLICE", split_slice):
+        assert guards.nesting_exceeds(raw, limit) is (_depth(value) > limit)
 
 
 def test_the_depth_scan_on_escape_runs_and_strings_of_brackets() -> None:
@@ -104,3 +113,12 @@ def test_the_depth_scan_on_escape_runs_and_strings_of_brackets() -> None:
     assert guards.nesting_exceeds(escaped_then_deep, 5) and not guards.nesting_exceeds(escaped_then_deep, 6)
     quote_then_deep = b'{"a": "\\"", "b": [[[[[]]]]]}'  # an escaped quote does not end the string
     assert guards.nesting_exceeds(quote_then_deep, 5) and not guards.nesting_exceeds(quote_then_deep, 6)
+
+
+def test_strings_are_dropped_across_the_scans_slices(monkeypatch) -> None:
+    """The strings are split off a slice at a time (bounded memory); a string that spans a
+    slice's end stays a string, and so do the brackets in it."""
+    monkeypatch.setattr(guards, "_SPLIT_SLICE", 7)
+    text = json.dumps({"a": "[[[[[[[[", "b": [[[["x"]]]], "c": '"]]]]]]"', "d": [{"e": "[{"}]}).encode()
+    for limit in range(7):
+        assert guards.nesting_exceeds(text, limit) is (limit < 5)
