@@ -147,8 +147,9 @@ async def list_models(http_request: web.Request) -> web.Response:
         tenant = await state.auth.authenticate(http_request.headers)
         models = [m for m in models if tenant.allows_model(m)]
     data = [{"id": model, "object": "model", "created": 0, "owned_by": "llm-gateway"} for model in models]
-    # LoRA adapters, as the replicas that serve them say (one that is down may be stale)
-    parents = {a: p for e in state.registry if e.healthy for a, p in e.adapters.items()}
+    # LoRA adapters, as the replicas that may be routed to say (one out of rotation may be stale)
+    routable = (e for e in state.registry if e.healthy and not e.ejected and not e.draining)
+    parents = {a: p for e in routable for a, p in e.adapters.items()}
     for entry in data:
         if (parent := parents.get(entry["id"])) is not None:
             entry["parent"] = parent

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, quoted
 from gateway.request.fields import NUMBER_MAX
 
 __all__ = ["load_object", "nesting_exceeds", "refused_number_text", "refused_shape"]
@@ -68,11 +68,15 @@ def refused_shape(raw: bytes, max_depth: int, max_containers: int) -> str | None
     if b"\\" in reduced:
         reduced = reduced.replace(b"\\\\", b"").replace(b'\\"', b"")
     marks = reduced.translate(None, _NOT_MARKS).replace(b'""', b"")
+    # With adjacent quotes dropped, a bracket separates any two quotes left, and outside a string
+    # it is one of a container's two: valid JSON within the bound keeps at most this many.
+    if marks.count(b'"') > 4 * min(max_containers, sys.maxsize // 8) + 2:
+        return "containers"
     skeleton = _outside_strings(marks) if b'"' in marks else marks
     if b"[" * (max_depth + 1) in skeleton:
         return "depth"  # a run of openers: the deep-nesting bomb, named as such whatever its size
-    if skeleton.count(b"[") > max_containers:
-        return "containers"
+    if skeleton.count(b"[") > max_containers or skeleton.count(b"]") > max_containers:
+        return "containers"  # closers too: 15 MB of "]" after a deep start cost 32 full peels
     for peeled_levels in range(max_depth):
         if b"[" * (max_depth + 1 - peeled_levels) in skeleton:
             return "depth"
@@ -143,7 +147,9 @@ class _NumberGuard:
             return
         for name, value in body.items():
             if isinstance(value, _BadNumber):
-                raise BadRequest(f"'{name}': {value.describe()}", param=name, code="number_out_of_range")
+                raise BadRequest(
+                    f"{quoted(name)}: {value.describe()}", param=name, code="number_out_of_range"
+                )
 
     def check_all(self) -> None:
         """Refuse the body if a refused number sits anywhere no field check looked."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, quoted
 from gateway.request.apis import api_prompt
 from gateway.request.fields import check_fields
 from gateway.request.guards import load_object
@@ -167,7 +167,7 @@ def parse_request(
     priority = _PRIORITIES.get(name)
     if priority is None:
         raise BadRequest(
-            f"header {priority_header}: {name!r} is not one of {_PRIORITY_NAMES}", param=priority_header
+            f"header {priority_header}: {quoted(name)} is not one of {_PRIORITY_NAMES}", param=priority_header
         )
     if numbers is not None:
         numbers.check_all()

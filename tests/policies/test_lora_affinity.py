@@ -240,6 +240,12 @@ async def test_a_model_is_listed_with_the_parent_that_a_healthy_replica_gives_it
             return next(m for m in (await resp.json())["data"] if m["id"] == "x").get("parent", "none")
 
     await wait_until(lambda: _equals(parent_of_x(), "sim-llama"), 5.0, "the adapter listed with its parent")
+    gw.state.registry.get(lora.url).draining = True  # out of rotation, healthy: not a source either
+    gw.state.registry.rebuild()
+    assert await parent_of_x() == "none"
+    gw.state.registry.get(lora.url).draining = False
+    gw.state.registry.rebuild()
+    assert await parent_of_x() == "sim-llama"
     await runner.cleanup()  # its replica goes down
     rows = lambda: debug_endpoints(http, gw)  # noqa: E731
     await wait_until(lambda: _down(rows(), lora.url), 5.0, "the adapter's replica marked down")

@@ -122,3 +122,32 @@ def test_strings_are_dropped_across_the_scans_slices(monkeypatch) -> None:
     text = json.dumps({"a": "[[[[[[[[", "b": [[[["x"]]]], "c": '"]]]]]]"', "d": [{"e": "[{"}]}).encode()
     for limit in range(7):
         assert guards.nesting_exceeds(text, limit) is (limit < 5)
+
+
+def _containers(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(_containers(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_containers(v) for v in value)
+    return 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_NESTED, most=st.integers(min_value=0, max_value=40))
+def test_the_container_count_is_exact_on_valid_json(value: object, most: int) -> None:
+    """Past ``most`` arrays and objects a body is refused, and never below it: brackets and
+    quotes in strings do not count, nor do the cheap bounds taken before the count."""
+    raw = json.dumps(value).encode()
+    assert (guards.refused_shape(raw, 1000, most) == "containers") is (_containers(value) > most)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 32 + b"]" * 32 + b"[]" + b"]" * 1000,  # 32 deep, then closers: each peel copied them all
+        b'["' + b'["' * 1000 + b"]",  # quotes between brackets: the split made a part per quote
+        b"[" * 32 + b"]" * 32 + b"[]" + b']"' * 1000,
+    ],
+)
+def test_bodies_that_made_the_scan_slow_are_refused_before_it(raw: bytes) -> None:
+    assert guards.refused_shape(raw, 32, 100) == "containers"

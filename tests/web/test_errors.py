@@ -288,3 +288,17 @@ async def test_errors_quote_at_most_a_bounded_part_of_the_clients_input(gw_up, h
         assert resp.status in (400, 404)
     assert len(raw) < 4096
     await assert_serves(http, gw)
+
+
+async def test_a_long_value_does_not_cut_the_reason_off_the_error(gw_up, http):
+    """The value quoted is cut, not the message: a 3,000-character field name holding a number
+    out of range, and a 4,000-character priority header, still say what is wrong."""
+    gw, _ = gw_up
+    raw = json.dumps({**chat_body(), "k" * 3000: "__N__"}).replace('"__N__"', "1e400").encode()
+    async with http.post(gw.url + CHAT, data=raw, headers={"content-type": "application/json"}) as resp:
+        error = await error_of(resp, 400)
+    assert "out of range" in error["message"] and len(error["message"]) < 400
+    async with http.post(gw.url + CHAT, json=chat_body(), headers={"x-priority": "p" * 4000}) as resp:
+        error = await error_of(resp, 400)
+    assert "is not one of" in error["message"] and len(error["message"]) < 400
+    await assert_serves(http, gw)
