@@ -5,7 +5,8 @@ and tool list (``--system-kb``); each turn adds a question and an answer (``--tu
 sends the whole conversation again, sessions interleaved, ``--turns`` turns each. Every
 prompt is hashed twice in the same run, by ``block_hashes`` (the baseline: every byte) and
 by the gateway's ``HashChainCache`` (its session's previous turn, or another session's system
-prompt, reused); the hashes are compared, and the time per turn and the ratio printed.
+prompt, reused; ``--sessionless``: found by the prompt's bytes alone); the hashes are compared,
+and the time per turn and the ratio printed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--system-kb", type=float, default=24.0)
     parser.add_argument("--turn-kb", type=float, default=1.5)
+    parser.add_argument("--sessionless", action="store_true", help="send no session id (plain chat clients)")
     args = parser.parse_args()
     system = _text(args.system_kb, "system")
     conversations = [system] * args.sessions
@@ -42,7 +44,9 @@ def main() -> None:
             start = time.perf_counter()
             plain = block_hashes("model", prompt, 64)
             middle = time.perf_counter()
-            reused = cache.block_hashes("model", prompt, 64, session=f"s{session}")
+            reused = cache.block_hashes(
+                "model", prompt, 64, session=None if args.sessionless else f"s{session}"
+            )
             end = time.perf_counter()
             plain_s += middle - start
             reuse_s += end - middle

@@ -7,8 +7,9 @@ conversation cost ~140 µs on the event loop every turn, almost all of it hashin
 hashed the turn before.
 
 Each entry holds a prompt's bytes, its chain of block hashes, and the hasher's state every
-``_CHECKPOINT`` blocks. A prompt is looked up by its session and by its first
-``_KEY_BYTES``; the longest run of whole blocks it shares with the entry found is reused,
+``_CHECKPOINT`` blocks. A prompt is looked up by its session and by windows of its bytes that
+end at 1 KB and at each 1.25× past it; the longest run of whole blocks it shares with an entry
+found is reused,
 from the checkpoint at or before the run's end, and only the rest is hashed. The result is
 :func:`~gateway.prefix.hashing.block_hashes`'s exactly (same hasher, same bytes, same
 order), so the Redis index shared with gateways without this cache stays consistent.
@@ -30,6 +31,8 @@ from gateway.prefix.hashing import MODEL_SEPARATOR, prompt_bytes
 __all__ = ["HashChainCache"]
 
 _KEY_BYTES = 1024  # a prompt shorter than this is hashed as it is (16 blocks: ~45 µs at most)
+_WINDOW_BYTES = 256  # the bytes of a prompt that a key holds
+_MAX_LOOKS = 3  # distinct recent prompts compared with a new one, at most (each a memcmp, or a few)
 _CHECKPOINT = 16  # blocks between saved hasher states: a diverging prompt re-hashes < 16 blocks
 _STATE_BYTES = 720  # an xxh3 state (~711 bytes measured), as counted against the byte bound
 _HASH_BYTES = 40  # an int in a list, as counted against the byte bound
@@ -45,7 +48,7 @@ class _Chain:
 
 
 class HashChainCache:
-    def __init__(self, max_bytes: int = 64 << 20, max_entries: int = 8192) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, max_entries: int = 65536) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[object, ...], _Chain] = OrderedDict()
@@ -75,18 +78,18 @@ class HashChainCache:
         blocks = len(data) // block_bytes
         if len(data) < _KEY_BYTES or self.max_bytes <= 0:
             return self._hash(model, data, block_bytes, blocks, None, 0)[0]
-        keys = [(model, block_bytes, data[:_KEY_BYTES])]
-        if session is not None:
-            keys.insert(0, (model, block_bytes, "session", session))
+        keys = _keys(model, block_bytes, data, session)
         with self._lock:
             candidates = {id(c): c for key in keys if (c := self._entries.get(key)) is not None}
         found, shared = None, 0
-        for chain in candidates.values():  # the session's, and the latest with the same start
+        for chain in list(candidates.values())[:_MAX_LOOKS]:  # the session's, then by the longest window
             if (blocks_shared := _shared_blocks(data, chain.data, block_bytes, blocks)) > shared:
                 found, shared = chain, blocks_shared
+            if shared * block_bytes >= len(chain.data) - block_bytes:
+                break  # all of a chain found by its longest window: no other is longer
         hashes, checkpoints = self._hash(model, data, block_bytes, blocks, found, shared)
-        size = len(data) + _HASH_BYTES * len(hashes) + _STATE_BYTES * len(checkpoints) + _KEY_BYTES
-        size += len(session) if session is not None else 0  # a client's header: counted too
+        size = len(data) + _HASH_BYTES * len(hashes) + _STATE_BYTES * len(checkpoints)
+        size += (_WINDOW_BYTES + 100) * len(keys) + (len(session) if session is not None else 0)
         if size <= self.max_bytes:
             self._store(keys, _Chain(data, tuple(hashes), tuple(checkpoints), size))
         return hashes
@@ -132,6 +135,22 @@ class HashChainCache:
             chain.refs -= 1
             if chain.refs == 0:
                 self._bytes -= chain.size
+
+
+def _keys(model: str, block_bytes: int, data: bytes, session: str | None) -> list[tuple[object, ...]]:
+    """Where a prompt's chain is stored and looked for: its session, and the ``_WINDOW_BYTES``
+    of it that end at 1 KB and at each 1.25× past that within it, the longest first. Without a
+    session, the next turn of a conversation still finds its own previous turn: one of their
+    windows lies past the start that conversations share (system prompt, tools) and holds
+    this conversation's own text, once the conversation is a quarter longer than that start."""
+    keys: list[tuple[object, ...]] = [] if session is None else [(model, block_bytes, "session", session)]
+    ends = []
+    end = _KEY_BYTES
+    while end <= len(data):
+        ends.append(end)
+        end += end // 4
+    keys += [(model, block_bytes, end, data[end - _WINDOW_BYTES : end]) for end in reversed(ends)]
+    return keys
 
 
 def _shared_blocks(data: bytes, other: bytes, block_bytes: int, blocks: int) -> int:

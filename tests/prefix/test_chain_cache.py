@@ -34,6 +34,21 @@ def test_the_next_turn_hashes_only_what_is_new() -> None:
     assert cache.reused_blocks >= len(first.encode()) // 64 - 16
 
 
+def test_without_a_session_a_conversation_still_finds_its_own_previous_turn() -> None:
+    """Eight conversations with one system prompt, interleaved, no session id: each turn reuses
+    its own conversation's previous turn (found by a window past the shared start), not only
+    the system prompt that all of them share."""
+    cache = HashChainCache()
+    for turn in range(1, 8):
+        for session in range(8):
+            hashed = cache.hashed_blocks
+            prompt, previous = conversation(session, turn + 1), conversation(session, turn)
+            assert cache.block_hashes("m", prompt, 64) == block_hashes("m", prompt, 64)
+            if turn > 1:
+                new_blocks = (len(prompt.encode()) - len(previous.encode())) // 64
+                assert cache.hashed_blocks - hashed <= new_blocks + 17, (turn, session)
+
+
 def test_another_session_reuses_the_shared_system_prompt_and_not_more() -> None:
     cache = HashChainCache()
     cache.block_hashes("m", conversation(1, 6), 64, session="s1")
