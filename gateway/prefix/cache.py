@@ -100,8 +100,7 @@ class PrefixCache:
         return self.state(request)
 
     def _block_hashes(self, request: InferenceRequest) -> list[int]:
-        chains = self.chains
-        return chains.block_hashes(
+        return self.chains.block_hashes(
             request.model, request.prompt_text, self.block_bytes, self.max_blocks, request.session_id
         )
 

@@ -9,8 +9,8 @@ hashed the turn before.
 Each entry holds a prompt's bytes, its chain of block hashes, and the hasher's state every
 ``_CHECKPOINT`` blocks. A prompt is looked up by its session and by windows of its bytes that
 end at 1 KB and at each 1.25× past it; the longest run of whole blocks it shares with an entry
-found is reused,
-from the checkpoint at or before the run's end, and only the rest is hashed. The result is
+found is reused, from the checkpoint at or before the run's end, and only the rest is hashed.
+The result is
 :func:`~gateway.prefix.hashing.block_hashes`'s exactly (same hasher, same bytes, same
 order), so the Redis index shared with gateways without this cache stays consistent.
 
@@ -44,7 +44,7 @@ class _Chain:
     hashes: tuple[int, ...]
     checkpoints: tuple[xxhash.xxh3_64, ...]  # the state after i * _CHECKPOINT blocks; never updated
     size: int  # counted against the byte bound
-    refs: int = 0  # keys it is stored under (its session's, its first bytes')
+    refs: int = 0  # keys it is stored under (its session's, its windows')
 
 
 class HashChainCache:

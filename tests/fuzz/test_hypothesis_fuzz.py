@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.live import MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADERS, LiveGateway
+from tests.support.json_shape import containers
 from tests.support.upstreams import CHUNKS
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
@@ -376,20 +377,12 @@ def test_depth_limit_is_exact(live, client, depth, status):
     assert_still_serves(live, client)
 
 
-def _containers(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + sum(_containers(v) for v in value.values())
-    if isinstance(value, list):
-        return 1 + sum(_containers(v) for v in value)
-    return 0
-
-
 @pytest.mark.parametrize(("total", "status"), [(100_000, 200), (100_001, 400)])
 def test_container_limit_is_exact(live, client, total, status):
     """``server.max_json_containers`` (100,000 arrays and objects, the body's own included):
     past it a body is refused before it is decoded (15 MB of nested towers held the event
     loop 4.7 s)."""
-    empties = total - _containers(VALID[CHAT]) - 1  # the array that holds them is one more
+    empties = total - containers(VALID[CHAT]) - 1  # the array that holds them is one more
     nested = "[" + ",".join(["[]"] * empties) + "]"
     raw = json.dumps({**VALID[CHAT], "x_many": "__N__"}).replace('"__N__"', nested).encode()
     resp = post_raw(client, CHAT, raw)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gateway.errors import BadRequest
 from gateway.request import guards
 from gateway.request.guards import load_object
+from tests.support.json_shape import containers, depth
 
 
 def precise(raw: bytes, depth: int = 32):
@@ -73,14 +74,6 @@ def test_random_bodies_same_as_precise(body: dict, splice: str) -> None:
     assert outcome(lambda b: load_object(b, 32), raw) == outcome(precise, raw)
 
 
-def _depth(value: object) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
-
-
 _TRICKY_TEXT = st.text(alphabet='[]{}"\\ab/\n\u00e9', max_size=12)
 _NESTED = st.recursive(
     st.none() | st.integers() | _TRICKY_TEXT,
@@ -103,7 +96,7 @@ def test_the_depth_scan_is_exact_on_valid_json(
     count as nesting, and every real level does, however the strings fall across the slices."""
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
     with mock.patch.object(guards, "_SPLIT_SLICE", split_slice):
-        assert guards.nesting_exceeds(raw, limit) is (_depth(value) > limit)
+        assert guards.nesting_exceeds(raw, limit) is (depth(value) > limit)
 
 
 def test_the_depth_scan_on_escape_runs_and_strings_of_brackets() -> None:
@@ -124,21 +117,13 @@ def test_strings_are_dropped_across_the_scans_slices(monkeypatch) -> None:
         assert guards.nesting_exceeds(text, limit) is (limit < 5)
 
 
-def _containers(value: object) -> int:
-    if isinstance(value, dict):
-        return 1 + sum(_containers(v) for v in value.values())
-    if isinstance(value, list):
-        return 1 + sum(_containers(v) for v in value)
-    return 0
-
-
 @settings(max_examples=400, deadline=None)
 @given(value=_NESTED, most=st.integers(min_value=0, max_value=40))
 def test_the_container_count_is_exact_on_valid_json(value: object, most: int) -> None:
     """Past ``most`` arrays and objects a body is refused, and never below it: brackets and
     quotes in strings do not count, nor do the cheap bounds taken before the count."""
     raw = json.dumps(value).encode()
-    assert (guards.refused_shape(raw, 1000, most) == "containers") is (_containers(value) > most)
+    assert (guards.refused_shape(raw, 1000, most) == "containers") is (containers(value) > most)
 
 
 @pytest.mark.parametrize(
