@@ -10,9 +10,8 @@ Each entry holds a prompt's bytes, its chain of block hashes, and the hasher's s
 ``_CHECKPOINT`` blocks. A prompt is looked up by its session and by windows of its bytes that
 end at 1 KB and at each 1.25× past it; the longest run of whole blocks it shares with an entry
 found is reused, from the checkpoint at or before the run's end, and only the rest is hashed.
-The result is
-:func:`~gateway.prefix.hashing.block_hashes`'s exactly (same hasher, same bytes, same
-order), so the Redis index shared with gateways without this cache stays consistent.
+The result is :func:`~gateway.prefix.hashing.block_hashes`'s exactly (same hasher, same
+bytes, same order), so the Redis index shared with gateways without this cache stays consistent.
 
 Bounded in bytes and entries, least recently used out first; thread-safe (long prompts are
 hashed in a worker thread).
