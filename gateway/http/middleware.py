@@ -117,7 +117,9 @@ def _unreadable_body(request: web.Request, exc: Exception) -> web.Response:
     _end_after_response(request)
     if isinstance(exc, RequestBodyTimeout):
         log.info("request from %s: %s; closing", request.remote, exc)
-        response = error_response(408, str(exc), "invalid_request_error", "request_timeout")
+        response = error_response(
+            408, str(exc), "invalid_request_error", "request_timeout", fmt=error_format(request.path)
+        )
     else:
         encoding = request.headers.get("content-encoding")
         detail = " ".join(str(exc).split())
@@ -128,7 +130,9 @@ def _unreadable_body(request: web.Request, exc: Exception) -> web.Response:
             message = f"the request body could not be decoded with its Content-Encoding {encoding!r}"
         else:
             message = "the request body could not be read (malformed chunked encoding or a short body)"
-        response = error_response(400, message, "invalid_request_error", "invalid_body_encoding")
+        response = error_response(
+            400, message, "invalid_request_error", "invalid_body_encoding", fmt=error_format(request.path)
+        )
     response.force_close()
     return response
 

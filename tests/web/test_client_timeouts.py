@@ -11,6 +11,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 TIMEOUTS = {"header_timeout_s": 0.5, "body_timeout_s": 0.5, "keepalive_timeout_s": 0.8}
 SLACK_S = 1.5  # loop scheduling on a busy 2-core box; the old gateway held these for minutes
@@ -64,14 +65,18 @@ async def test_headers_trickled_byte_by_byte_are_cut_at_the_header_timeout(start
         writer.close()
 
 
-async def test_a_trickled_body_gets_408_at_the_body_timeout(start_upstream, start_gateway):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_a_trickled_body_gets_408_at_the_body_timeout(start_upstream, start_gateway, path):
+    """In the route's own error format: Anthropic's on the Messages route."""
     upstream = await start_upstream()
     gw = await start_gateway([upstream.url], server=TIMEOUTS)
     reader, writer = await _open(gw)
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 500}]}).encode()
+    body = json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 500}]}
+    ).encode()
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (path.encode(), len(body))
     )
     sender = asyncio.create_task(_trickle(writer, body, 0.05))
     try:
@@ -81,7 +86,11 @@ async def test_a_trickled_body_gets_408_at_the_body_timeout(start_upstream, star
         writer.close()
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert json.loads(payload)["error"]["code"] == "request_timeout"
+    error = json.loads(payload)
+    if path == "/v1/messages":
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+    else:
+        assert error["error"]["code"] == "request_timeout"
     assert upstream.requests == []
 
 

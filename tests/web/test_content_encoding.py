@@ -54,6 +54,11 @@ async def test_a_lying_content_encoding_is_a_400_with_an_openai_error(
             assert body["error"]["type"] == "invalid_request_error"
             assert body["error"]["code"] == "invalid_body_encoding"
             assert encoding in body["error"]["message"]
+        # The Messages route answers in Anthropic's format.
+        status, body = await _post(http, gw.url + "/v1/messages", plain, encoding)
+        assert status == 400, body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        assert encoding in body["error"]["message"]
         # A route that never reads the body (unknown path): aiohttp drains it after the
         # answer, and that drain fails the same way; still no ERROR traceback.
         status, _ = await _post(http, gw.url + "/v1/no-such-path", plain, encoding)
