@@ -30,6 +30,8 @@ class ResponseHook(RequestHooks):
     def on_first_byte(self, request: InferenceRequest, endpoint: Endpoint) -> None:
         if request.api is not ApiKind.RESPONSES or not request.context.answer_head:
             return
+        if request.body.get("store") is False:
+            return  # no replica keeps it: a record would only push a stored chain's out
         response_id = response_id_in(request.context.answer_head)
         if response_id is None:
             return

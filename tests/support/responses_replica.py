@@ -72,9 +72,11 @@ class Replica:
     async def _create(self, request: web.Request) -> web.Response:
         self._counter += 1
         # vLLM 0.32: the body's request_id (an extra field) becomes the response's id
-        rid = (await request.json()).get("request_id") or f"resp_{self._counter:04d}"
+        body = await request.json()
+        rid = body.get("request_id") or f"resp_{self._counter:04d}"
         obj = {"id": rid, "object": "response", "status": "completed", "model": self.model, "output": []}
-        self.stored[rid] = obj
+        if body.get("store", True) is not False:  # vLLM keeps only what it is asked to store
+            self.stored[rid] = obj
         return web.json_response(obj)
 
     async def _get(self, request: web.Request) -> web.StreamResponse:

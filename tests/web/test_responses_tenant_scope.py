@@ -154,6 +154,29 @@ async def test_an_unrecorded_id_is_not_probed_for_anyone_with_auth_on(stack, sta
     assert (await open_gw.state.sessions.responses.get(response_id)).tenant is None
 
 
+async def test_responses_made_with_store_false_are_not_recorded(stack, start_gateway, http, keys_file):
+    """Codex sends ``store: false``: no replica keeps such a response, so a record of it only
+    pushed a stored chain's record out of the bounded store — and with auth on an evicted
+    record is never looked for again, so the owner's chain became a 404."""
+    replica = await stack.enter_async_context(running_replica())
+    gw = await start_gateway([replica.url], auth=_auth(keys_file), sessions={"max_responses": 3})
+    kept = await _create(http, gw, KEY_A)
+    one_offs = []
+    for _ in range(3):
+        async with http.post(
+            gw.url + "/v1/responses",
+            json={"model": "tiny", "input": "hi", "store": False},
+            headers={"authorization": f"Bearer {KEY_A}"},
+        ) as r:
+            assert r.status == 200, await r.text()
+            one_offs.append((await r.json())["id"])
+    for response_id in one_offs:
+        assert await gw.state.sessions.responses.get(response_id) is None
+    assert (await gw.state.sessions.responses.get(kept)).tenant == "a"
+    status, _, _ = await _call(http, gw, KEY_A, "chain", kept)
+    assert status == 200
+
+
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 async def test_a_legacy_record_without_a_tenant_is_no_tenants(
     backend, stack, start_gateway, http, keys_file, redis_url, key_prefix
