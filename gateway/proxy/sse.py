@@ -25,12 +25,15 @@ __all__ = [
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
-_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
-_CACHE_READ_TOKENS = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
+# A count is at most 15 digits (exact as a float): a longer number is not a token count, and
+# 10**400 from a broken replica raised OverflowError in the usage bookkeeping, failing its answer.
+_COUNT = rb"\s*:\s*(\d{1,15})(?!\d)"
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"' + _COUNT)
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"' + _COUNT)
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"' + _COUNT)
+_INPUT_TOKENS = re.compile(rb'"input_tokens"' + _COUNT)
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"' + _COUNT)
+_CACHE_READ_TOKENS = re.compile(rb'"cache_read_input_tokens"' + _COUNT)
 _MAX_HELD_BYTES = 16384
 
 

@@ -291,3 +291,41 @@ async def test_malformed_answer_on_reused_connection_is_not_resent_to_same_repli
     assert u.posts == 2, f"the replica received {u.posts} POSTs for 2 client requests (retries: 0)"
     await healthy_after(http, gw)
     assert not errors(caplog)
+
+
+HUGE = b"1" + b"0" * 400  # past a double: float() of it raises OverflowError
+
+
+async def huge_usage(i, reader, writer, body):
+    usage = b'"usage":{"prompt_tokens":%s,"completion_tokens":1,"total_tokens":%s}' % (HUGE, HUGE)
+    if json.loads(body).get("stream"):
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        last = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],' + usage + b"}\n\n"
+        for part in (sse_event("hi"), sse_event(" there"), last, b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.01)  # own segments: the relay, not the one-read path
+        writer.write(b"0\r\n\r\n")
+        return True
+    payload = chat_json("good")[:-1] + b"," + usage + b"}"
+    writer.write(response(payload))
+    return True
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "round-robin"])
+async def test_an_absurd_usage_count_leaves_the_answer_whole(policy, stack, start_gateway, http, caplog):
+    """A usage count past a double (401 digits) is not a count: it is ignored. It used to reach
+    float arithmetic in the prefix hook and turn the replica's 200 into a 500, or leave a
+    stream without its chunked terminator."""
+    u = await raw(stack, huge_usage)
+    gw = await gateway(start_gateway, u.url, policy=policy)
+    status, body, _ = await post(http, gw)
+    assert status == 200, body
+    assert json.loads(body)["usage"]["prompt_tokens"] == int(HUGE)  # passed on as it came
+    status, body, _ = await post(http, gw, stream=True)  # a missing terminator raises in read()
+    assert status == 200, body
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    await healthy_after(http, gw)
+    assert not errors(caplog)
