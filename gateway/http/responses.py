@@ -167,7 +167,17 @@ async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endp
     record = await _record(state, previous, request.request_id, "previous_response_id", caller)
     if request.session_id is None and CHAIN_SOURCE in session_sources(state.parse_options):
         request.session_id = record.chain  # a previous_response_id chain is one session
-    return _replica(state, record, previous)
+    endpoint = _replica(state, record, previous)
+    if not endpoint.serves(request.model):  # no other replica can continue it: not retryable
+        served = ", ".join(quoted(m) for m in sorted(endpoint.models)[:8])
+        raise Conflict(
+            f"Response {quoted(previous)} is stored on replica {endpoint.name}, which does not serve"
+            f" model {quoted(request.model)} (it serves {served or 'no model'}): continue the"
+            " conversation with one of those, or start a new one",
+            param="model",
+            code="response_replica_lacks_model",
+        )
+    return endpoint
 
 
 def _headers(endpoint: Endpoint, request_id: str) -> dict[str, str]:

@@ -108,6 +108,26 @@ async def test_replica_gone_is_a_clear_409(start_sim, start_gateway, openai_clie
         await client.responses.retrieve(first.id)
 
 
+async def test_a_chain_continued_with_a_model_its_replica_lacks_is_a_409_not_a_retryable_503(
+    start_sim, start_gateway, openai_client
+):
+    """The chain can only continue on the replica that stores it; if that replica does not serve
+    the model asked for, no retry helps — it used to be a 503 with Retry-After (retried by the SDK
+    and, with Retry-After honoured, for ever), saying no endpoint serves a model one does."""
+    a, b = await start_sim(model="model-a"), await start_sim(model="model-b")
+    gw = await start_gateway([a.url, b.url], policy="round-robin")
+    client = openai_client(gw)
+    first = await client.responses.create(model="model-a", input="hi", max_output_tokens=2)
+    with pytest.raises(openai.ConflictError) as caught:
+        await client.responses.create(model="model-b", input="more", previous_response_id=first.id)
+    assert caught.value.response.headers.get("retry-after") is None
+    body = caught.value.body
+    assert body["code"] == "response_replica_lacks_model"
+    assert "model-b" in body["message"] and "model-a" in body["message"]
+    again = await client.responses.create(model="model-a", input="more", previous_response_id=first.id)
+    assert again.output_text  # the chain itself is fine
+
+
 async def test_delete_then_retrieve_is_404(fleet, openai_client):
     gw, _ = fleet
     client = openai_client(gw)

@@ -73,6 +73,11 @@ _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema":
 _REPLICA_GONE = error_response(
     "The replica that stored the response is unavailable (`code: response_replica_unavailable`)."
 )
+_CHAIN_CONFLICT = error_response(
+    "The replica that stored `previous_response_id` is unavailable (`code:"
+    " response_replica_unavailable`), or does not serve the model asked for (`code:"
+    " response_replica_lacks_model`)."
+)
 
 
 def _anthropic_errors() -> dict[str, Schema]:
@@ -92,7 +97,7 @@ def _operation(summary: str, request: str, *, streams: bool, anthropic: bool = F
     if anthropic:
         post["responses"] = {"200": post["responses"]["200"], **_anthropic_errors()}
     if request == "ResponsesRequest":
-        post["responses"]["409"] = _REPLICA_GONE
+        post["responses"]["409"] = _CHAIN_CONFLICT
     return operation
 
 
