@@ -14,7 +14,7 @@ from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.openapi import serve_openapi
-from gateway.http.responses import add_response_routes, stored_replica
+from gateway.http.responses import add_response_routes, check_continues, stored_replica
 from gateway.http.state import STATE, GatewayState
 from gateway.request.multipart import parse_form
 from gateway.request.parse import parse_request
@@ -96,6 +96,8 @@ async def _route(
     _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
     if stored is None:
         stored = await stored_replica(state, request)  # Responses: the replica holding the chain
+    if stored is not None:
+        check_continues(stored, request)
     shared = state.shared_load  # workers > 1: the siblings' load, for admission and for routing
     if shared is not None:
         shared.refresh()

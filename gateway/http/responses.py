@@ -41,7 +41,7 @@ from gateway.request.parse import CHAIN_SOURCE, session_key, session_sources
 from gateway.request.types import ApiKind, InferenceRequest
 from gateway.sessions.responses import ResponseRecord
 
-__all__ = ["add_response_routes", "stored_replica"]
+__all__ = ["add_response_routes", "check_continues", "stored_replica"]
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +167,21 @@ async def stored_replica(state: GatewayState, request: InferenceRequest) -> Endp
     record = await _record(state, previous, request.request_id, "previous_response_id", caller)
     if request.session_id is None and CHAIN_SOURCE in session_sources(state.parse_options):
         request.session_id = record.chain  # a previous_response_id chain is one session
-    endpoint = _replica(state, record, previous)
-    if not endpoint.serves(request.model):  # no other replica can continue it: not retryable
-        served = ", ".join(quoted(m) for m in sorted(endpoint.models)[:8])
+    return _replica(state, record, previous)
+
+
+def check_continues(stored: Endpoint, request: InferenceRequest) -> None:
+    """A chain continues only on the replica that stores it: one that does not serve the model
+    asked for (after aliases) is a 409, not the retryable 503 the scheduler would answer."""
+    if not stored.serves(request.model):
+        served = ", ".join(quoted(m) for m in sorted(stored.models)[:8])
         raise Conflict(
-            f"Response {quoted(previous)} is stored on replica {endpoint.name}, which does not serve"
-            f" model {quoted(request.model)} (it serves {served or 'no model'}): continue the"
-            " conversation with one of those, or start a new one",
+            f"Response {quoted(request.body.get('previous_response_id'))} is stored on replica"
+            f" {stored.name}, which does not serve model {quoted(request.model)} (it serves"
+            f" {served or 'no model'}): continue the conversation with one of those, or start a new one",
             param="model",
             code="response_replica_lacks_model",
         )
-    return endpoint
 
 
 def _headers(endpoint: Endpoint, request_id: str) -> dict[str, str]:
