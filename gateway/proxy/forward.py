@@ -42,6 +42,7 @@ from gateway.proxy.sse import (
     error_event,
     extract_usage,
     read_past_role_chunk,
+    stream_end,
 )
 from gateway.proxy.upstream import (
     ConnectFailed,
@@ -367,49 +368,46 @@ class Proxy:
         head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
         on_first = partial(self._first_byte, request, endpoint, attempt)
         if upstream.ended_cleanly:  # all of it is here (a short answer): headers, events, end: one write
-            whole = head + events.complete(upstream.take_buffered()) + events.flush()
-            request.context.streamed_chunks += whole.count(b"data:")
-            if whole:
+            last = final = head + events.complete(upstream.take_buffered())
+            request.context.streamed_chunks += last.count(b"data:")
+            if last:
                 on_first()
-            self._report_usage(request, endpoint, attempt, whole[-4096:])
-            await self._end_body(http_request, response, whole, idle_s)
-            self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
-            return response, True
-        try:
-            async with asyncio.timeout_at(wait_limit(attempt.deadline, idle_s)):
-                await response.write(head)  # a client that left raises here, on purpose
-        except TimeoutError:
-            raise self._client_stopped_reading(http_request) from None
-        transport = http_request.transport
-        if transport is None:
-            raise ConnectionResetError("the client went away mid-stream")
-        if head:
-            request.context.streamed_chunks += head.count(b"data:")
-            on_first()
-        first = None if head else on_first  # else the relay's first whole event is the first byte
-        relay = StreamRelay(upstream, transport, http_request.writer, request.context, events, head, first)
-        failure = await relay.run(attempt.deadline, idle_s)
+            failure, usage_tail = None, last[-4096:]
+        else:
+            try:
+                async with asyncio.timeout_at(wait_limit(attempt.deadline, idle_s)):
+                    await response.write(head)  # a client that left raises here, on purpose
+            except TimeoutError:
+                raise self._client_stopped_reading(http_request) from None
+            transport = http_request.transport
+            if transport is None:
+                raise ConnectionResetError("the client went away mid-stream")
+            if head:
+                request.context.streamed_chunks += head.count(b"data:")
+                on_first()
+            first = None if head else on_first  # else the relay's first whole event is the first byte
+            relay = StreamRelay(
+                upstream, transport, http_request.writer, request.context, events, head, first
+            )
+            failure = await relay.run(attempt.deadline, idle_s)
+            last = relay.closing() if failure is None else b""  # the events that came with the end
+            final, usage_tail = relay.last, relay.previous[-2048:] + relay.last[-2048:]
+        sse = "event-stream" in headers["content-type"]  # the body ended cleanly: is the stream whole?
+        rest, failure = stream_end(request.api, events, final, sse) if failure is None else (b"", failure)
+        last += rest
         if failure is None:
-            last = relay.closing()  # the events that came with the end: written with it, in one write
-            self._report_usage(request, endpoint, attempt, relay.previous[-2048:] + relay.last[-2048:])
+            self._report_usage(request, endpoint, attempt, usage_tail)
         else:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
-            mid_event = bool(relay.last) and not ends_event(relay.last)
-            last = error_event(failure, mid_event=mid_event, api=request.api)
-        await self._end_body(http_request, response, last, idle_s)
-        self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
-        return response, failure is None
-
-    async def _end_body(
-        self, http_request: web.Request, response: web.StreamResponse, last: bytes, idle_s: float
-    ) -> None:
-        """The stream's last bytes and its end, in one write; it waits on the client: bounded too."""
-        try:
+            last += error_event(failure, mid_event=bool(final) and not ends_event(final), api=request.api)
+        try:  # the stream's last bytes and its end, in one write; it waits on the client: bounded too
             async with asyncio.timeout(idle_s):
                 await response.write_eof(last)
         except TimeoutError:
             raise self._client_stopped_reading(http_request) from None
+        self._metrics.child(self._metrics.e2e, request.model).observe(time.monotonic() - attempt.started)
+        return response, failure is None
 
     def _first_byte(self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt) -> None:
         """The stream's first whole event reached the client."""

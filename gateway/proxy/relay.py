@@ -125,9 +125,9 @@ class StreamRelay:
 
     def closing(self) -> bytes:
         """After a clean end: the stream's last whole events, not yet written (those that came
-        with the end, and whatever the upstream left unterminated), counted as written; the
-        caller writes them with the end of the body."""
-        chunk = self._events.complete(self._tail) + self._events.flush()
+        with the end), counted as written; the caller writes them with the end of the body,
+        and decides what an unterminated rest means (:func:`~gateway.proxy.sse.stream_end`)."""
+        chunk = self._events.complete(self._tail)
         self._tail = b""
         if chunk:
             self._context.streamed_chunks += chunk.count(b"data:")

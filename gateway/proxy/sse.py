@@ -21,6 +21,7 @@ __all__ = [
     "error_event",
     "extract_usage",
     "read_past_role_chunk",
+    "stream_end",
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -101,6 +102,40 @@ class SSEEventBuffer:
     def flush(self) -> bytes:
         tail, self._tail = self._tail, b""
         return tail
+
+
+# The events that end a typed stream, or the engine's own in-band error: one of them is among
+# the last events of a whole stream. (In a JSON string a quote is escaped: these cannot match there.)
+_FINAL_EVENTS: dict[ApiKind, tuple[bytes, ...]] = {
+    ApiKind.MESSAGES: (b'"message_stop"', b"event: error"),
+    ApiKind.RESPONSES: (
+        b'"response.completed"',
+        b'"response.incomplete"',
+        b'"response.failed"',
+        b"event: error",
+    ),
+}
+
+
+def stream_end(api: ApiKind, events: SSEEventBuffer, final: bytes, sse: bool) -> tuple[bytes, str | None]:
+    """At the clean end of a stream's body: what is left to write, and why the stream is
+    broken after all (None when it is whole). ``final``: its last whole events.
+
+    An event left unterminated is dropped (an SSE client discards it anyway) and the stream
+    is broken: a close-delimited body that closes mid-event, or an engine that died behind
+    a proxy that ended the chunked body properly. A Messages or Responses stream without
+    its final event is broken too: the SDKs would return a message with no stop reason.
+    A body that is no event stream at all (``sse`` false) is passed on as it came.
+    """
+    rest = events.flush()
+    if not sse:
+        return rest, None
+    if rest:
+        return b"", "upstream stream ended in the middle of an event"
+    finals = _FINAL_EVENTS.get(api)
+    if finals is not None and not any(marker in final for marker in finals):
+        return b"", "upstream stream ended without its final event"
+    return b"", None
 
 
 def error_event(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 
+import pytest
+
 from tests.fleet.servers import running_raw
 from tests.support.harness import chat_body, gateway_metrics, metric_value
 
@@ -52,3 +54,110 @@ async def test_close_delimited_stream_ends_cleanly(stack: contextlib.AsyncExitSt
     assert gw.state.breakers.state(endpoint).value == "closed"
     metrics = await gateway_metrics(http, gw)
     assert metric_value(metrics, "llm_gateway_upstream_errors_total") is None
+
+
+def _typed(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+_MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "tiny", "content": []}
+_MESSAGES_OPENING = _typed("message_start", {"type": "message_start", "message": _MESSAGE}) + _typed(
+    "content_block_start",
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+)
+_MESSAGES_DELTA = _typed(
+    "content_block_delta",
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello"}},
+)
+_MESSAGES_BODY = {
+    "model": "tiny",
+    "max_tokens": 5,
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+}
+
+
+def _chunked(*events: bytes) -> list[bytes]:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+    return [head, *(b"%x\r\n%s\r\n" % (len(e), e) for e in events), b"0\r\n\r\n"]
+
+
+async def _stream_of(
+    stack, start_gateway, http, parts: list[bytes], path: str, body: dict
+) -> tuple[str, dict]:
+    raw = await stack.enter_async_context(running_raw(parts))
+    gw = await start_gateway([{"url": raw.url, "models": ["tiny"]}], scrape={"enabled": False})
+    async with http.post(gw.url + path, json=body) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    metrics = await gateway_metrics(http, gw)
+    return text, {"errors": metric_value(metrics, "llm_gateway_upstream_errors_total")}
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["relayed", "one-read"])
+async def test_a_close_mid_event_is_a_broken_stream_not_a_half_event(split, stack, start_gateway, http):
+    """A close-delimited body that closes in the middle of an event (the replica died): the
+    half event is not passed on — an SSE client would drop it, or choke on it — and the
+    stream ends with the error event, counted against the replica."""
+    half = _event(" there")[:25]
+    events = [_event("hi"), half]
+    parts = [_HEAD % b"text/event-stream", *(events if split else [b"".join(events)])]
+    text, seen = await _stream_of(
+        stack, start_gateway, http, parts, "/v1/chat/completions", chat_body(stream=True)
+    )
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", text
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]  # each one whole
+    assert payloads[0]["choices"][0]["delta"]["content"] == "hi" and "error" in payloads[1], text
+    assert "ended in the middle of an event" in text and text.endswith("data: [DONE]\n\n"), text
+    assert seen["errors"] == 1
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["relayed", "one-read"])
+async def test_a_messages_stream_without_message_stop_ends_with_an_error_event(
+    split, stack, start_gateway, http
+):
+    """The chunked body ended properly, but the Messages stream did not: without an error the
+    Anthropic SDK returned a message with no stop reason, and the replica got a success."""
+    events = [_MESSAGES_OPENING, _MESSAGES_DELTA, _MESSAGES_DELTA]
+    text, seen = await _stream_of(
+        stack,
+        start_gateway,
+        http,
+        _chunked(*(events if split else [b"".join(events)])),
+        "/v1/messages",
+        _MESSAGES_BODY,
+    )
+    assert text.count("Hello") == 2
+    last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
+    assert last.startswith("event: error\n"), text
+    assert json.loads(last.split("data: ", 1)[1])["error"]["message"].endswith("without its final event")
+    assert seen["errors"] == 1
+    whole = [*events, _typed("message_stop", {"type": "message_stop"})]
+    text, seen = await _stream_of(
+        stack, start_gateway, http, _chunked(*whole), "/v1/messages", _MESSAGES_BODY
+    )
+    assert "event: error" not in text and text.endswith('{"type": "message_stop"}\n\n')
+    assert seen["errors"] is None
+
+
+async def test_a_responses_stream_without_its_final_event_ends_with_an_error_event(
+    stack, start_gateway, http
+):
+    created = _typed("response.created", {"type": "response.created", "response": {"id": "resp_1"}})
+    delta = _typed("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hi"})
+    # A text that names the final event is not the final event.
+    named = _typed(
+        "response.output_text.delta", {"type": "response.output_text.delta", "delta": '"response.completed"'}
+    )
+    body = {"model": "tiny", "input": "hi", "stream": True}
+    text, seen = await _stream_of(
+        stack, start_gateway, http, _chunked(created, delta, named), "/v1/responses", body
+    )
+    assert text.rstrip("\n").rsplit("\n\n", 1)[-1].startswith("event: error\n"), text
+    assert seen["errors"] == 1
+    done = _typed("response.completed", {"type": "response.completed", "response": {"id": "resp_1"}})
+    text, seen = await _stream_of(
+        stack, start_gateway, http, _chunked(created, delta, done), "/v1/responses", body
+    )
+    assert "event: error" not in text and seen["errors"] is None
