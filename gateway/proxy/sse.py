@@ -192,6 +192,7 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
     else:
         return chunk
     held = bytearray(chunk)
+    checked = _events_end(held, 0)  # the events before this are opening ones
     while len(held) < limit:
         more = await upstream.readany()
         if not more:
@@ -203,10 +204,29 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
                     "the stream ended after its opening events, before any content", before_response=False
                 )
             break
+        start = len(held)
         held += more
-        if not opening(bytes(held)):
-            break
+        if request.api is ApiKind.CHAT:  # the role chunk alone: held up to 16 KiB, checked whole
+            if not opening(bytes(held)):
+                break
+            continue
+        # Only the events completed by this read: re-checking all that is held per read made a
+        # replica trickling pings cost time quadratic in their number, for up to first_byte_s.
+        end = _events_end(held, max(checked, start - 2))
+        if end > checked:
+            if not opening(bytes(held[checked:end])):
+                break
+            checked = end
     return bytes(held)
+
+
+def _events_end(buffer: bytearray, start: int) -> int:
+    """Where the last event completed in ``buffer[start:]`` ends (its blank line's end), or
+    ``start`` when none is: the boundaries the opening check reads, ``\\n\\n`` once any
+    ``\\r\\n`` is read as ``\\n``."""
+    lf = buffer.rfind(b"\n\n", start)
+    mixed = buffer.rfind(b"\n\r\n", start)  # \r\n\r\n and \n\r\n
+    return max(start, lf + 2 if lf != -1 else 0, mixed + 3 if mixed != -1 else 0)
 
 
 # Typed-event streams: the events that open a stream before the engine has produced anything,

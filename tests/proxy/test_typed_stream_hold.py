@@ -17,6 +17,7 @@ import anthropic
 import openai
 import pytest
 
+from tests.proxy.hostile.common import raw
 from tests.support.harness import gateway_metrics, metric_value
 
 STICKY_HEALTH = {"interval_s": 60, "unhealthy_threshold": 100}
@@ -165,3 +166,52 @@ def test_the_response_id_is_read_from_a_created_event_cut_by_the_head_bound():
     big = '{"type": "response.created", "response": {"id": "resp_big", "instructions": "' + "x" * 5000
     head = ("event: response.created\ndata: " + big).encode()[:4096]  # the proxy keeps 4096 bytes
     assert response_id_in(head) == "resp_big"
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+async def test_an_opening_of_many_pings_in_pieces_is_held_then_passed_whole(
+    stack, start_gateway, http, newline
+):
+    """Pings (Anthropic's keep-alive) while the engine prefills, each in its own segment and
+    some cut inside their blank line: every completed event is checked once, as it completes
+    (the whole held buffer used to be re-parsed per read: quadratic in the pings). The first
+    content event, cut across reads, releases the stream; nothing is lost or doubled."""
+
+    def event(name: str, data: dict) -> bytes:
+        return f"event: {name}{newline}data: {json.dumps(data)}{newline}{newline}".encode()
+
+    opening = event("message_start", {"type": "message_start", "message": {"id": "m1", "content": []}})
+    opening += event(
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    )
+    ping = event("ping", {"type": "ping"})
+    delta = event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+    )
+    stop = event("message_stop", {"type": "message_stop"})
+    cut = len(newline)  # inside the blank line that ends the event
+    pieces = [opening, *([ping] * 150), ping[:-cut], ping[-cut:] + delta[:-cut], delta[-cut:], stop]
+
+    async def script(i, reader, writer, body):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        return False
+
+    upstream = await raw(stack, script)
+    gw = await start_gateway([{"url": upstream.url, "models": ["tiny"]}], scrape={"enabled": False})
+    async with http.post(gw.url + "/v1/messages", json=MESSAGES) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode().replace("\r\n", "\n")
+    kinds = [e["type"] for e in _events(text)]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        *["ping"] * 151,
+        "content_block_delta",
+        "message_stop",
+    ]
