@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from gateway.fleet.endpoint import Endpoint, EngineKind
-from gateway.fleet.scraper import parse_rank_metrics
+from gateway.fleet.scraper import ScrapedPage
 
 __all__ = [
     "RANK_HEADER",
@@ -46,11 +46,6 @@ RANK_HEADER = "x-data-parallel-rank"
 # The retry reason of a rank the server no longer has (restarted with fewer): vLLM's 400
 # before any work; the same server is asked again without the header, its ranks learned anew.
 RANK_REFUSED = "rank_refused"
-# Series with one sample per rank. vLLM 0.32 (CPU build, --data-parallel-size 2) exports its
-# gauges (running, waiting, KV usage) for engine="0" only, its counters and cache_config_info
-# for every rank: the rank set is the union of their engine labels.
-_PER_RANK = ("vllm:cache_config_info{", "vllm:prefix_cache_queries_total{", "vllm:num_requests_running{")
-_MAX_RANKS = 1024
 _RANK_REFUSAL = re.compile(r"data_parallel_rank (\d{1,4}) is out of range \[0, (\d{1,4})\)\.?")
 _MAX_REFUSAL_BYTES = 4096  # vLLM's answer is ~150 bytes
 
@@ -160,30 +155,22 @@ def without_rank(refused: Endpoint, later: Sequence[Endpoint]) -> list[Endpoint]
     return [refused.owner, *(target for target in later if target.url != refused.url)]
 
 
-def engine_ranks(text: str) -> list[int]:
+def engine_ranks(page: ScrapedPage) -> list[int]:
     """The ``engine`` label values of the series every rank reports (one value per DP rank).
 
     vLLM numbers its ranks 0..N-1, and ``X-data-parallel-rank`` names one of those: only that
     run counts. A label past a gap ({0, 1, 1023}), a padded one ("01", which vLLM would read
     as rank 1 under another name) or one that is not an ASCII number ("²") is no rank; a
     server of a multi-node deployment labelled from another start routes as one target."""
-    labels: set[int] = set()
-    for line in text.splitlines():
-        if not line.startswith(_PER_RANK):
-            continue
-        _, found, rest = line.partition(',engine="' if "{engine=" not in line else '{engine="')
-        value = rest.partition('"')[0]
-        if found and len(value) <= 4 and value.isascii() and value.isdigit() and value == str(int(value)):
-            labels.add(int(value))
     ranks = []
-    while len(ranks) in labels and len(ranks) < _MAX_RANKS:
+    while len(ranks) in page.ranks:
         ranks.append(len(ranks))
     return ranks
 
 
-def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint]]:
-    """After a scrape of ``replica``: its rank set and each target's load; returns (whether the
-    rank set changed, the dropped targets).
+def update_rank_loads(replica: Endpoint, page: ScrapedPage) -> tuple[bool, list[Endpoint]]:
+    """After a scrape of ``replica`` (its page parsed once, :func:`~gateway.fleet.scraper.parse_page`):
+    its rank set and each target's load; returns (whether the rank set changed, the dropped targets).
 
     A configured ``data_parallel_size`` fixes the ranks (0..N-1); else the page's engine
     labels decide, so a replica restarted with another rank count is followed.
@@ -193,13 +180,12 @@ def update_rank_loads(replica: Endpoint, text: str) -> tuple[bool, list[Endpoint
     if replica.data_parallel_size is not None:
         ranks = list(range(replica.data_parallel_size))
     else:
-        ranks = engine_ranks(text)
+        ranks = engine_ranks(page)
     before = replica.rank_targets
     dropped = set_ranks(replica, ranks)
     now = time.monotonic()
-    loads = parse_rank_metrics(text, replica.engine, [str(t.dp_rank) for t in replica.rank_targets])
     for target in replica.rank_targets:
-        load = loads[str(target.dp_rank)]
+        load = page.rank_load(target.dp_rank)
         m = target.metrics
         m.waiting, m.running, m.kv_usage = load.waiting, load.running, load.kv_usage
         m.lora = load.lora  # vllm:lora_requests_info has no engine label: the server's

@@ -24,7 +24,7 @@ from gateway.fleet.dp import update_rank_loads
 from gateway.fleet.endpoint import Endpoint
 from gateway.fleet.interval import Interval
 from gateway.fleet.registry import EndpointRegistry
-from gateway.fleet.scraper import parse_engine_metrics
+from gateway.fleet.scraper import ScrapedPage, parse_page
 from gateway.ops.metrics import GatewayMetrics
 
 __all__ = ["MetricsPoller"]
@@ -179,9 +179,10 @@ class MetricsPoller:
                     raise ValueError(f"status {resp.status}")
                 text = (await read_bounded(resp)).decode(_known_charset(resp.charset))
             if len(text) > _PARSE_OFF_LOOP_CHARS:  # a page far past an engine's ~60 KB: off the loop
-                load = await asyncio.to_thread(parse_engine_metrics, text, endpoint.engine)
+                page = await asyncio.to_thread(parse_page, text, endpoint.engine)
             else:
-                load = parse_engine_metrics(text, endpoint.engine)
+                page = parse_page(text, endpoint.engine)  # once: the ranks' loads are read from it too
+            load = page.load
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             if endpoint in self._registry:
                 self._metrics.scrape_errors.labels(endpoint.name).inc()
@@ -204,14 +205,14 @@ class MetricsPoller:
         try:  # one endpoint's odd page is its scrape error, never the whole round's
             if self._on_scraped:
                 self._on_scraped(endpoint)
-            self._scraped_ranks(endpoint, text)
+            self._scraped_ranks(endpoint, page)
         except Exception:
             self._metrics.scrape_errors.labels(endpoint.name).inc()
             log.exception("scrape of %s: its load could not be applied", endpoint.name)
 
-    def _scraped_ranks(self, endpoint: Endpoint, text: str) -> None:
+    def _scraped_ranks(self, endpoint: Endpoint, page: ScrapedPage) -> None:
         """Data parallel (fleet/dp.py): each rank's load and gauges; dropped ranks forgotten."""
-        changed, dropped = update_rank_loads(endpoint, text)
+        changed, dropped = update_rank_loads(endpoint, page)
         if changed:
             log.warning("endpoint %s: now %d data-parallel ranks", endpoint.name, len(endpoint.rank_targets))
             self._registry.rebuild()

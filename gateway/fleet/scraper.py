@@ -8,7 +8,6 @@ own parser (no hand-rolled exposition-format parsing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ from gateway.fleet.endpoint import EngineKind
 from gateway.fleet.kv_wire import MAX_BLOCK_SIZE
 from gateway.fleet.lora import LORA_METRIC, LoraLoad, lora_load
 
-__all__ = ["ScrapedLoad", "parse_engine_metrics", "parse_rank_metrics"]
+__all__ = ["ScrapedLoad", "ScrapedPage", "parse_engine_metrics", "parse_page"]
 
 
 @dataclass(slots=True)
@@ -74,8 +73,37 @@ def _int_label(labels: dict[str, str], key: str, most: int) -> int | None:
     return int(value)
 
 
-def _parsed(text: str, engine: EngineKind) -> tuple[list[Any] | None, list[tuple[str, Any]]]:
-    """The page parsed once: the LoRA family's samples, and (field, sample) of every other wanted one."""
+# Series with one sample per data-parallel rank. vLLM 0.32 (CPU build, --data-parallel-size 2)
+# exports its gauges (running, waiting, KV usage) for engine="0" only, its counters and
+# cache_config_info for every rank: the rank set is the union of their engine labels.
+_PER_RANK = frozenset({"cache_config", "restart_marker", "running"})
+_MAX_RANKS = 1024  # data-parallel ranks followed per server
+
+
+def _rank(label: str) -> int | None:
+    """A rank as vLLM numbers them ("0".."1023"); a padded ("01"), non-ASCII ("²") or larger
+    label is none (vLLM would read "01" as rank 1 under another name)."""
+    if len(label) <= 4 and label.isascii() and label.isdigit() and label == str(int(label)):
+        return int(label) if int(label) < _MAX_RANKS else None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedPage:
+    """What a ``/metrics`` page says, read in one pass (off the event loop when the page is
+    large): the replica's load, and each data-parallel rank's (its ``engine`` label)."""
+
+    load: ScrapedLoad  # every series summed
+    ranks: frozenset[int]  # the ranks labelled on the series every rank reports
+    _by_rank: dict[int, ScrapedLoad]
+    _unlabelled: ScrapedLoad
+
+    def rank_load(self, rank: int) -> ScrapedLoad:
+        """That rank's series and the unlabelled ones (a rank the page lacks: those alone)."""
+        return self._by_rank.get(rank, self._unlabelled)
+
+
+def parse_page(text: str, engine: EngineKind) -> ScrapedPage:
     families = _FAMILIES[engine]
     lora: list[Any] | None = None
     items: list[tuple[str, Any]] = []
@@ -85,33 +113,27 @@ def _parsed(text: str, engine: EngineKind) -> tuple[list[Any] | None, list[tuple
             lora = family.samples
         elif field is not None:
             items.extend((field, sample) for sample in family.samples)
-    return lora, items
+    shared: list[tuple[str, Any]] = []
+    by_rank: dict[int, list[tuple[str, Any]]] = {}
+    ranks: set[int] = set()
+    for field, sample in items:
+        label = sample.labels.get("engine")
+        if label is None:
+            shared.append((field, sample))
+        elif (rank := _rank(label)) is not None:
+            by_rank.setdefault(rank, []).append((field, sample))
+            if field in _PER_RANK:
+                ranks.add(rank)
+    loads = {rank: _load(lora, shared + own) for rank, own in by_rank.items()}  # at most _MAX_RANKS
+    return ScrapedPage(_load(lora, items), frozenset(ranks), loads, _load(lora, shared))
 
 
 def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None) -> ScrapedLoad:
-    """Sum across label sets (several models or engines behind one port add up).
-
-    ``rank``: only the series of that data-parallel rank (``engine="<rank>"``; unlabelled ones
-    are kept)."""
-    lora, items = _parsed(text, engine)
-    if rank is not None:
-        items = [(field, sample) for field, sample in items if sample.labels.get("engine", rank) == rank]
-    return _load(lora, items)
-
-
-def parse_rank_metrics(text: str, engine: EngineKind, ranks: Sequence[str]) -> dict[str, ScrapedLoad]:
-    """:func:`parse_engine_metrics` for every rank in one parse of the page (per rank it was a
-    parse each: 256 ranks on one page held the event loop for seconds)."""
-    lora, items = _parsed(text, engine)
-    shared: list[tuple[str, Any]] = []
-    by_rank: dict[str, list[tuple[str, Any]]] = {rank: [] for rank in ranks}
-    for field, sample in items:
-        rank = sample.labels.get("engine")
-        if rank is None:
-            shared.append((field, sample))
-        elif rank in by_rank:
-            by_rank[rank].append((field, sample))
-    return {rank: _load(lora, shared + own) for rank, own in by_rank.items()}
+    """The replica's load (sums across label sets: several models or engines behind one port
+    add up); ``rank``: only that data-parallel rank's series (``engine="<rank>"``) and the
+    unlabelled ones."""
+    page = parse_page(text, engine)
+    return page.load if rank is None else page.rank_load(int(rank))
 
 
 def _load(lora: list[Any] | None, items: list[tuple[str, Any]]) -> ScrapedLoad:

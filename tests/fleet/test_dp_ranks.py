@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 
 from gateway.fleet.dp import engine_ranks, rank_out_of_range, set_ranks, update_rank_loads
-from gateway.fleet.endpoint import Endpoint
+from gateway.fleet.endpoint import Endpoint, EngineKind
 from gateway.fleet.kv_sources import source_from
 from gateway.fleet.registry import EndpointRegistry
+from gateway.fleet.scraper import ScrapedPage, parse_page
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-DP2 = (DATA / "vllm-0.32-cpu-dp2-metrics-sample.txt").read_text()
-SINGLE = (DATA / "vllm-0.32-cpu-metrics-sample.txt").read_text()
+DP2 = parse_page((DATA / "vllm-0.32-cpu-dp2-metrics-sample.txt").read_text(), EngineKind.VLLM)
+SINGLE = parse_page((DATA / "vllm-0.32-cpu-metrics-sample.txt").read_text(), EngineKind.VLLM)
 
 
 def test_ranks_from_real_scrapes() -> None:
@@ -43,17 +44,16 @@ def test_hostile_engine_labels_are_no_ranks() -> None:
         f'vllm:num_requests_running{{engine="{label}",model_name="m"}} 1.0'
         for label in ("0", "1", "x", "-1", "99999999", "")
     )
-    assert engine_ranks(page) == [0, 1]
+    assert engine_ranks(parse_page(page, EngineKind.VLLM)) == [0, 1]
 
 
 def test_ranks_are_the_run_from_zero_with_canonical_labels() -> None:
     """A rank set is 0..N-1 as vLLM numbers it: what lies past a gap, and padded labels
     (another name for a rank already there), are not routed to."""
 
-    def page(*labels: str) -> str:
-        return "\n".join(
-            f'vllm:num_requests_running{{engine="{label}",model_name="m"}} 0' for label in labels
-        )
+    def page(*labels: str) -> ScrapedPage:
+        text = "\n".join(f'vllm:num_requests_running{{engine="{x}",model_name="m"}} 0' for x in labels)
+        return parse_page(text, EngineKind.VLLM)
 
     assert engine_ranks(page("0", "1", "1023")) == [0, 1]
     assert engine_ranks(page("0", "01", "1")) == [0, 1]  # "01" is no third rank
@@ -145,4 +145,4 @@ def test_only_vllms_own_refusal_of_the_rank_sent_is_a_refusal() -> None:
 def test_a_label_of_thousands_of_digits_is_no_rank() -> None:
     page = 'vllm:num_requests_running{engine="0",model_name="m"} 0\n'
     page += f'vllm:num_requests_running{{engine="{"1" * 5000}",model_name="m"}} 0\n'
-    assert engine_ranks(page) == [0]  # one rank (one target), and no int() of 5,000 digits (ValueError)
+    assert engine_ranks(parse_page(page, EngineKind.VLLM)) == [0]  # one target; no int() of 5,000 digits

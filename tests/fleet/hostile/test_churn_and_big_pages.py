@@ -120,3 +120,38 @@ async def test_an_unknown_charset_neither_stops_start_up_nor_the_others_scrapes(
     other.metrics_mode = "error"  # the other replica's scrapes fail: it must go stale
     await wait_until(lambda: _is(other_ep.metrics.stale), 5.0, "the failing replica to go stale")
     assert not odd_ep.metrics.stale
+
+
+async def test_a_large_metrics_page_is_parsed_once_per_scrape_and_off_the_loop(
+    start_upstream, start_gateway, http, monkeypatch
+):
+    """A page past 1 MiB (under the 16 MiB cap) is parsed in a worker thread — and only there:
+    the data-parallel rank pass parsed the whole page a second time, on the event loop (a 2.5 MB
+    page held the loop ~1 s every scrape). The prometheus parser is wrapped, not replaced, to
+    see on which thread each page is parsed."""
+    import threading
+
+    import gateway.fleet.scraper as scraper
+
+    parses: list[tuple[int, bool]] = []  # (text length, on the event loop's thread)
+    real = scraper.text_string_to_metric_families
+    loop_thread = threading.get_ident()
+
+    def watched(text: str):
+        parses.append((len(text), threading.get_ident() == loop_thread))
+        return real(text)
+
+    monkeypatch.setattr(scraper, "text_string_to_metric_families", watched)
+    up = await start_upstream()
+    line = 'vllm:num_requests_running{model_name="tiny",engine="0"} 1\n'
+    up.metrics_text = vllm_metrics() + line * (1_500_000 // len(line))
+    gw = await start_gateway([up.url], **FAST)
+    endpoint = gw.state.registry.get(up.url)
+    await wait_until(
+        lambda: _is(up.metrics_asked >= 4 and (endpoint.metrics.running or 0) > 20_000), 5.0, "scrapes"
+    )
+    big = [on_loop for length, on_loop in parses if length > 1_000_000]
+    assert big and not any(big), parses[-6:]  # every big page off the loop
+    assert len(big) <= up.metrics_asked  # once per scrape, not once more for the ranks
+    async with http.post(gw.url + "/v1/chat/completions", json=chat_body()) as resp:
+        assert resp.status == 200
