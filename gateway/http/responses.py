@@ -212,29 +212,34 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
         url += "?" + http_request.rel_url.raw_query_string
     timeouts = state.config.timeouts
     try:
-        async with session.request(
-            http_request.method,
-            url,
-            data=body,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s),
-        ) as answer:
+        async with asyncio.timeout(timeouts.first_byte_s):  # the answer's head: first_byte_s, as proxied
+            answer = await session.request(
+                http_request.method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s),
+            )
+        async with answer:
             out = {"x-gateway-endpoint": endpoint.name, "x-request-id": request_id}
             content_type = answer.headers.get("content-type", "application/json")
             if http_request.method == "DELETE" and answer.status == 200:
                 state.sessions.responses.forget(response_id)
             if not content_type.startswith("text/event-stream"):
                 out["content-type"] = content_type
-                body = await _read_bounded(answer, state.config.limits.max_response_bytes, endpoint)
+                body = await _read_bounded(
+                    answer, state.config.limits.max_response_bytes, endpoint, timeouts.idle_s
+                )
                 return web.Response(status=answer.status, body=body, headers=out)
             response = web.StreamResponse(status=answer.status, headers={**out, "content-type": content_type})
             await response.prepare(http_request)
             try:
-                async for chunk in answer.content.iter_any():
+                async for chunk in _chunks(answer, timeouts.idle_s):
                     await response.write(chunk)
             except (aiohttp.ClientError, TimeoutError) as exc:  # committed: end it in-band
-                log.info("request %s: %s broke mid-stream: %s", request_id, endpoint.name, exc)
-                message = f"replica {endpoint.name} broke the stream: {exc}"
+                why = str(exc) or f"no data within {timeouts.idle_s:g} s"  # a TimeoutError says nothing
+                log.info("request %s: %s broke mid-stream: %s", request_id, endpoint.name, why)
+                message = f"replica {endpoint.name} broke the stream: {why}"
                 await response.write(error_event(message, mid_event=True, api=ApiKind.RESPONSES))
             await response.write_eof()
             return response
@@ -249,10 +254,22 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
         ) from None
 
 
-async def _read_bounded(answer: aiohttp.ClientResponse, limit: int, endpoint: Endpoint) -> bytes:
+async def _chunks(answer: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
+    """The answer's body as it comes; a replica silent for ``idle_s`` raises TimeoutError."""
+    while True:
+        async with asyncio.timeout(idle_s):
+            chunk = await answer.content.readany()
+        if not chunk:
+            return
+        yield chunk
+
+
+async def _read_bounded(
+    answer: aiohttp.ClientResponse, limit: int, endpoint: Endpoint, idle_s: float
+) -> bytes:
     """The replica's whole answer, refused (502) past ``limit``: one must not fill memory."""
     parts, size = [], 0
-    async for chunk in answer.content.iter_any():
+    async for chunk in _chunks(answer, idle_s):
         size += len(chunk)
         if size > limit:
             raise UpstreamError(f"replica {endpoint.name}'s answer is larger than {limit} bytes")

@@ -20,7 +20,9 @@ class Replica:
         self.stored: dict[str, dict[str, Any]] = {}
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # method, raw path, headers: every request
         self.compress = False  # gzip the answers of GET /v1/responses/{id} when the client accepts it
-        self.get_mode = "ok"  # "ok" | "sse-die": GET ?stream=true streams an event, then the socket dies
+        # "ok" | "sse-die": GET ?stream=true streams an event, then the socket dies | "sse-stall": it
+        # streams an event, then nothing | "hang": GET answers nothing at all
+        self.get_mode = "ok"
         self.metrics_text: str | None = None  # /metrics: an idle engine's unless set
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -83,12 +85,14 @@ class Replica:
         obj = self.stored.get(request.match_info["rid"])
         if obj is None:
             return web.json_response({"error": {"message": "not found"}}, status=404)
-        if request.query.get("stream") == "true" and self.get_mode == "sse-die":
+        if self.get_mode == "hang":
+            await asyncio.sleep(3600)
+        if request.query.get("stream") == "true" and self.get_mode in ("sse-die", "sse-stall"):
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
             event = {"type": "response.created", "sequence_number": 0, "response": obj}
             await resp.write(f"event: response.created\ndata: {json.dumps(event)}\n\n".encode())
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05 if self.get_mode == "sse-die" else 3600)
             assert request.transport is not None
             request.transport.abort()
             return resp

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 import anthropic
 import pytest
@@ -101,6 +102,30 @@ async def test_pass_through_stream_broken_by_the_replica_ends_cleanly(stack, sta
         writer.close()
     assert data.count(b"HTTP/1.1 ") == 1, f"a second status line inside the streamed body:\n{data.decode()}"
     assert ended or b"event: error" in data, "the stream neither ended nor carried an error event"
+
+
+async def test_a_stored_response_replica_that_hangs_is_cut_at_the_proxy_timeouts(stack, start_gateway, http):
+    """GET/DELETE/cancel/input_items wait for the replica's answer as a proxied request does, at
+    most ``first_byte_s``, and a streamed GET is cut after ``idle_s`` of silence with an error
+    that says so; both used to wait for ``total_s`` (15 minutes by default)."""
+    replica = await stack.enter_async_context(running_replica())
+    timeouts = {"first_byte_s": 0.5, "idle_s": 0.5, "total_s": 60.0}
+    gw = await start_gateway([replica.url], timeouts=timeouts)
+    async with http.post(gw.url + "/v1/responses", json={"model": "tiny", "input": "hi"}) as r:
+        response_id = (await r.json())["id"]
+    replica.get_mode = "hang"
+    async with asyncio.timeout(20):  # far below total_s: the first-byte limit cut it
+        async with http.get(f"{gw.url}/v1/responses/{response_id}") as r:
+            assert r.status == 409
+            assert (await r.json())["error"]["code"] == "response_replica_unavailable"
+    replica.get_mode = "sse-stall"
+    async with asyncio.timeout(20):  # the idle limit, not total_s
+        async with http.get(f"{gw.url}/v1/responses/{response_id}?stream=true") as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+    assert text.startswith("event: response.created"), text
+    error = json.loads(text.rsplit("event: error\ndata: ", 1)[1])
+    assert error["message"].endswith("no data within 0.5 s"), error
 
 
 # ---- streams: every failure reaches the client as the API's own error ---------------------------
