@@ -167,17 +167,13 @@ _FAST = msgspec.json.Decoder()
 def load_object(
     raw_body: bytes, max_depth: int, max_containers: int = sys.maxsize
 ) -> tuple[dict[str, Any], _NumberGuard]:
-    refused = refused_shape(raw_body, max_depth, max_containers)
-    if refused is not None:
-        try:
-            raw_body.decode("utf-8")
-        except UnicodeDecodeError as exc:  # invalid UTF-8 is reported first, as it always was
-            raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
-        if refused == "containers":
-            raise BadRequest(
-                f"request body holds more than {max_containers} arrays and objects", code="json_too_large"
-            )
-        raise BadRequest(f"request body nests deeper than {max_depth} levels", code="json_too_deep")
+    # A body of at most 2 x max_containers bytes cannot hold too many containers (each takes two
+    # bytes): it is decoded first and its nesting read from the decoded containers, ~2x cheaper
+    # than the raw scan on an agent's 56 KB body. Decoding a longer body could take seconds
+    # (15 MB of [[[…]]] towers: 4.7 s), so a longer one is scanned before it is decoded.
+    short = len(raw_body) <= 2 * max_containers
+    if not short:
+        _refuse_shape(raw_body, max_depth, max_containers)
     # Without a digit run as long as the double range, no integer literal can leave it: skip
     # the per-integer hook then (it costs ~0.3 µs an integer, e.g. for token-id prompts), and
     # the fast decoder's integers are the precise path's.
@@ -188,10 +184,49 @@ def load_object(
         except (msgspec.DecodeError, RecursionError):
             pass  # refused (or an edge the fast decoder rejects, e.g. a "\ud800" escape): be precise
         else:
+            if short and nests_deeper(body, max_depth):
+                raise _too_deep(max_depth)
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             return body, _NumberGuard()
+    if short:  # the precise path's errors come after the shape's, as for a long body
+        _refuse_shape(raw_body, max_depth, max_containers)
     return _load_precise(raw_body, max_depth, long_digits)
+
+
+def nests_deeper(decoded: Any, limit: int) -> bool:
+    """True if the arrays/objects of a decoded body nest deeper than ``limit`` levels (``{}`` is
+    1): one pass over its containers, level by level, without recursion."""
+    level, depth = ([decoded] if type(decoded) is dict or type(decoded) is list else []), 1
+    while level:
+        if depth > limit:
+            return True
+        inner = []
+        for container in level:
+            for value in container.values() if type(container) is dict else container:
+                if type(value) is dict or type(value) is list:
+                    inner.append(value)
+        level, depth = inner, depth + 1
+    return False
+
+
+def _refuse_shape(raw_body: bytes, max_depth: int, max_containers: int) -> None:
+    refused = refused_shape(raw_body, max_depth, max_containers)
+    if refused is None:
+        return
+    try:
+        raw_body.decode("utf-8")
+    except UnicodeDecodeError as exc:  # invalid UTF-8 is reported first, as it always was
+        raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    if refused == "containers":
+        raise BadRequest(
+            f"request body holds more than {max_containers} arrays and objects", code="json_too_large"
+        )
+    raise _too_deep(max_depth)
+
+
+def _too_deep(max_depth: int) -> BadRequest:
+    return BadRequest(f"request body nests deeper than {max_depth} levels", code="json_too_deep")
 
 
 def _load_precise(raw_body: bytes, max_depth: int, long_digits: bool) -> tuple[dict[str, Any], _NumberGuard]:
@@ -210,7 +245,7 @@ def _load_precise(raw_body: bytes, max_depth: int, long_digits: bool) -> tuple[d
     except json.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # only reachable with malformed input the scan let through
-        raise BadRequest(f"request body nests deeper than {max_depth} levels", code="json_too_deep") from None
+        raise _too_deep(max_depth) from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     guard.check_fields(body)

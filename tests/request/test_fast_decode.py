@@ -44,7 +44,7 @@ EDGES = [
     b'{"a":"\\ud800"}', b'\xef\xbb\xbf{"a":1}', b'{"a":"\xff"}', b'{"a":"\xed\xa0\x80"}', b"[1]", b'"x"',
     b'{"a":1.7976931348623157e308}', b'{"a":1.8e308}', b'{"a":1e-400}', b'{"a":-0.0}', b'{"a":"\x01"}',
     b'{"a":1}\x00', b'{"a":01}', b"", b"{", b'{"a":[' * 40 + b"]" * 40 + b"}", b'{"a":[' * 40 + b"\xff",
-    b'{"n":[1e400]}', b'{"a":"\\u0000"}', b"  {}  ",
+    b'{"n":[1e400]}', b'{"a":"\\u0000"}', b"  {}  ", b"1", b"null", b"true", b"[" * 40 + b"]" * 40,
 ]  # fmt: skip
 
 
@@ -97,6 +97,20 @@ def test_the_depth_scan_is_exact_on_valid_json(
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
     with mock.patch.object(guards, "_SPLIT_SLICE", split_slice):
         assert guards.nesting_exceeds(raw, limit) is (depth(value) > limit)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_NESTED, limit=st.integers(min_value=0, max_value=8))
+def test_the_decoded_depth_check_is_exact(value: object, limit: int) -> None:
+    """A short body is decoded first and its depth read from what was decoded: the same answer
+    as the raw scan's, scalars (depth 0) included."""
+    assert guards.nests_deeper(value, limit) is (depth(value) > limit)
+    raw = json.dumps({"v": value}).encode()
+    decoded_first = outcome(lambda b: load_object(b, limit + 1), raw)  # 2 x maxsize: short
+    scanned_first = outcome(lambda b: load_object(b, limit + 1, max_containers=len(b) // 2 - 1), raw)
+    if scanned_first[0] == "error" and scanned_first[2] == "json_too_large":
+        return  # the long path's own bound: not a depth answer
+    assert decoded_first == scanned_first
 
 
 def test_the_depth_scan_on_escape_runs_and_strings_of_brackets() -> None:
