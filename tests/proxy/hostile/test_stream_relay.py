@@ -167,3 +167,43 @@ async def test_a_client_gone_while_the_upstream_floods_frees_the_upstream(stack,
     assert len(sent) == settled < 100_000, "the upstream is still being read for a client that left"
     assert not metric_value(text, "llm_gateway_upstream_errors_total", kind="mid_stream")
     await healthy_after(http, gw)
+
+
+async def test_an_upstream_connection_paused_during_its_answer_is_not_reused(
+    stack, start_gateway, http
+) -> None:
+    """While reading is paused (a slow client), bytes past the answer's end may wait unread in the
+    kernel; reused at once, a waiting request could send on the connection before they were read
+    and take them for its own answer. Such a connection is closed after its answer; one never
+    paused is kept."""
+    posted_on: list[asyncio.StreamWriter] = []  # held: an id() could be a freed one's
+
+    async def chunked(i, reader, writer, body):
+        posted_on.append(writer)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        events = 2000 if json.loads(body).get("max_tokens") == 2000 else 2
+        for n in range(events):
+            event = sse_event(f"{n:06d}" + "x" * 4000)
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        done = b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        return True  # keep-alive
+
+    u = await raw(stack, chunked)
+    gw = await gateway(start_gateway, u.url, timeouts={"idle_s": 5, "total_s": 60})
+    for _ in range(2):  # never paused: one connection for both
+        async with http.post(gw.url + "/v1/chat/completions", json=BODY) as resp:
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert len(posted_on) == 2 and posted_on[0] is posted_on[1]
+    async with http.post(gw.url + "/v1/chat/completions", json={**BODY, "max_tokens": 2000}) as resp:
+        first = await resp.content.readexactly(65536)
+        await asyncio.sleep(0.5)  # the client's socket fills: the relay pauses the upstream
+        rest = await resp.read()
+    assert _numbers(first + rest) == list(range(2000))
+    async with http.post(gw.url + "/v1/chat/completions", json=BODY) as resp:
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert len(posted_on) == 4 and posted_on[3] is not posted_on[2]  # the paused one was not reused
+    await healthy_after(http, gw)
