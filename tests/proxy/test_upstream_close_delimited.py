@@ -161,3 +161,24 @@ async def test_a_responses_stream_without_its_final_event_ends_with_an_error_eve
         stack, start_gateway, http, _chunked(created, delta, done), "/v1/responses", body
     )
     assert "event: error" not in text and seen["errors"] is None
+
+
+@pytest.mark.parametrize(("event_line", "type_first"), [(True, False), (False, True), (False, False)])
+async def test_a_final_event_longer_than_its_chunks_is_still_the_final_event(
+    event_line, type_first, stack, start_gateway, http
+):
+    """``response.completed`` echoes the whole response (instructions, tools, output): 150 KB
+    here, in three writes, past what the event buffer holds back. Named by its ``event:`` line
+    or its data's ``type`` at its start, or only by its ``type`` at its end, it is the final event."""
+    created = _typed("response.created", {"type": "response.created", "response": {"id": "resp_1"}})
+    delta = _typed("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Hi"})
+    fields = [("type", "response.completed"), ("response", {"id": "resp_1", "instructions": "i" * 150_000})]
+    data = json.dumps(dict(fields if type_first else fields[::-1]))
+    done = (b"event: response.completed\n" if event_line else b"") + b"data: " + data.encode() + b"\n\n"
+    pieces = [done[:50_000], done[50_000:100_000], done[100_000:]]
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+    parts = [head, *(b"%x\r\n%s\r\n" % (len(p), p) for p in (created, delta, *pieces)), b"0\r\n\r\n"]
+    body = {"model": "tiny", "input": "hi", "stream": True}
+    text, seen = await _stream_of(stack, start_gateway, http, parts, "/v1/responses", body)
+    assert "event: error" not in text and text.endswith("}\n\n")
+    assert seen["errors"] is None
