@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _BURST_LOOKS = 6  # scrapes at most per burst-triggered look (admission waits burst_settle_s at most)
 _BURST_LOOK_GAP_S = 0.01
-_PARSE_OFF_LOOP_CHARS = 1 << 20
+_PARSE_OFF_LOOP_CHARS = 1 << 18  # 4x an engine's ~60 KB page: a bigger one is parsed in a thread
 
 
 def _known_charset(charset: str | None) -> str:

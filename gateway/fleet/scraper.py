@@ -8,6 +8,7 @@ own parser (no hand-rolled exposition-format parsing).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +96,16 @@ class ScrapedPage:
 
     load: ScrapedLoad  # every series summed
     ranks: frozenset[int]  # the ranks labelled on the series every rank reports
-    _by_rank: dict[int, ScrapedLoad]
-    _unlabelled: ScrapedLoad
+    _lora: LoraLoad | None
+    _shared: _Sums  # the unlabelled series, summed once
+    _own: dict[int, list[tuple[str, Any]]]  # each rank's labelled samples
 
     def rank_load(self, rank: int) -> ScrapedLoad:
-        """That rank's series and the unlabelled ones (a rank the page lacks: those alone)."""
-        return self._by_rank.get(rank, self._unlabelled)
+        """That rank's series and the unlabelled ones (a rank the page lacks: those alone);
+        computed when asked, so a page labelling ranks nobody routes to costs nothing more."""
+        sums = self._shared.copy()
+        sums.add(self._own.get(rank, ()))
+        return sums.load(self._lora)
 
 
 def parse_page(text: str, engine: EngineKind) -> ScrapedPage:
@@ -114,18 +119,21 @@ def parse_page(text: str, engine: EngineKind) -> ScrapedPage:
         elif field is not None:
             items.extend((field, sample) for sample in family.samples)
     shared: list[tuple[str, Any]] = []
-    by_rank: dict[int, list[tuple[str, Any]]] = {}
+    own: dict[int, list[tuple[str, Any]]] = {}
     ranks: set[int] = set()
     for field, sample in items:
         label = sample.labels.get("engine")
         if label is None:
             shared.append((field, sample))
         elif (rank := _rank(label)) is not None:
-            by_rank.setdefault(rank, []).append((field, sample))
+            own.setdefault(rank, []).append((field, sample))
             if field in _PER_RANK:
                 ranks.add(rank)
-    loads = {rank: _load(lora, shared + own) for rank, own in by_rank.items()}  # at most _MAX_RANKS
-    return ScrapedPage(_load(lora, items), frozenset(ranks), loads, _load(lora, shared))
+    lora_now = lora_load(lora) if lora is not None else None
+    total, unlabelled = _Sums(), _Sums()
+    total.add(items)
+    unlabelled.add(shared)
+    return ScrapedPage(total.load(lora_now), frozenset(ranks), lora_now, unlabelled, own)
 
 
 def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None) -> ScrapedLoad:
@@ -136,31 +144,51 @@ def parse_engine_metrics(text: str, engine: EngineKind, rank: str | None = None)
     return page.load if rank is None else page.rank_load(int(rank))
 
 
-def _load(lora: list[Any] | None, items: list[tuple[str, Any]]) -> ScrapedLoad:
-    load = ScrapedLoad()
-    if lora is not None:
-        load.lora = lora_load(lora)
-    sums: dict[str, float] = {}
-    legacy_kv: float | None = None
-    for field, sample in items:
-        limit = _MAX_COUNTER if field == "restart_marker" else _MAX_GAUGE
-        if field != "cache_config" and not 0 <= sample.value <= limit:
-            continue  # NaN/Inf, negative or absurd: "not reported", never a load value
-        if field == "cache_config":
-            load.block_size = _int_label(sample.labels, "block_size", MAX_BLOCK_SIZE)
-            load.num_blocks = _int_label(sample.labels, "num_gpu_blocks", int(_MAX_GAUGE))
-        elif field == "kv_usage":
-            # Utilisation is a fraction: take the max over engines, not a sum.
-            sums[field] = max(sums.get(field, 0.0), sample.value)
-        elif field == "kv_usage_legacy":
-            legacy_kv = max(legacy_kv or 0.0, sample.value)
-        elif field == "restart_marker":
-            if sample.name.endswith("_total"):
+class _Sums:
+    """The load fields summed over samples, as a page's series add up (utilisation: the max)."""
+
+    __slots__ = ("block_size", "legacy_kv", "num_blocks", "sums")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.legacy_kv: float | None = None
+        self.block_size: int | None = None
+        self.num_blocks: int | None = None
+
+    def copy(self) -> _Sums:
+        other = _Sums()
+        other.sums = dict(self.sums)
+        other.legacy_kv, other.block_size, other.num_blocks = self.legacy_kv, self.block_size, self.num_blocks
+        return other
+
+    def add(self, items: Iterable[tuple[str, Any]]) -> None:
+        sums = self.sums
+        for field, sample in items:
+            limit = _MAX_COUNTER if field == "restart_marker" else _MAX_GAUGE
+            if field != "cache_config" and not 0 <= sample.value <= limit:
+                continue  # NaN/Inf, negative or absurd: "not reported", never a load value
+            if field == "cache_config":
+                self.block_size = _int_label(sample.labels, "block_size", MAX_BLOCK_SIZE)
+                self.num_blocks = _int_label(sample.labels, "num_gpu_blocks", int(_MAX_GAUGE))
+            elif field == "kv_usage":
+                # Utilisation is a fraction: take the max over engines, not a sum.
+                sums[field] = max(sums.get(field, 0.0), sample.value)
+            elif field == "kv_usage_legacy":
+                self.legacy_kv = max(self.legacy_kv or 0.0, sample.value)
+            elif field == "restart_marker":
+                if sample.name.endswith("_total"):
+                    sums[field] = sums.get(field, 0.0) + sample.value
+            else:
                 sums[field] = sums.get(field, 0.0) + sample.value
-        else:
-            sums[field] = sums.get(field, 0.0) + sample.value
-    load.waiting = sums.get("waiting")
-    load.running = sums.get("running")
-    load.kv_usage = sums.get("kv_usage", legacy_kv)
-    load.restart_marker = sums.get("restart_marker")
-    return load
+
+    def load(self, lora: LoraLoad | None) -> ScrapedLoad:
+        sums = self.sums
+        return ScrapedLoad(
+            waiting=sums.get("waiting"),
+            running=sums.get("running"),
+            kv_usage=sums.get("kv_usage", self.legacy_kv),
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            restart_marker=sums.get("restart_marker"),
+            lora=lora,
+        )

@@ -125,7 +125,7 @@ async def test_an_unknown_charset_neither_stops_start_up_nor_the_others_scrapes(
 async def test_a_large_metrics_page_is_parsed_once_per_scrape_and_off_the_loop(
     start_upstream, start_gateway, http, monkeypatch
 ):
-    """A page past 1 MiB (under the 16 MiB cap) is parsed in a worker thread — and only there:
+    """A page past 256 KiB (under the 16 MiB cap) is parsed in a worker thread — and only there:
     the data-parallel rank pass parsed the whole page a second time, on the event loop (a 2.5 MB
     page held the loop ~1 s every scrape). The prometheus parser is wrapped, not replaced, to
     see on which thread each page is parsed."""
