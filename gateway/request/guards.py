@@ -1,9 +1,11 @@
 """Hostile-body guards, run on the raw bytes before any field is read.
 
-Refused with a 400, never a 500: invalid UTF-8, nesting deeper than ``max_json_depth``
-(checked on the raw bytes *before* ``json.loads``, so the recursive C decoder never
-sees it), and non-finite or out-of-range numbers (``1e400``, ``NaN``, 400-digit
-integers), reported with the field that held them.
+Refused with a 400, never a 500: invalid UTF-8, nesting deeper than ``max_json_depth``,
+more than ``max_json_containers`` arrays and objects, and non-finite or out-of-range numbers
+(``1e400``, ``NaN``, 400-digit integers), reported with the field that held them. A body
+too short to hold too many containers is decoded first (the decoders stop at the
+interpreter's recursion limit) and its depth read from what was decoded; a longer one is
+scanned on the raw bytes before any decoder sees it.
 
 Bodies are decoded by msgspec (C, validates UTF-8, refuses NaN/Infinity and numbers past a
 double); anything it refuses is decoded again by ``json.loads`` with the number hooks, the
