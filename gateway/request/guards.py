@@ -170,46 +170,71 @@ def load_object(
     raw_body: bytes, max_depth: int, max_containers: int = sys.maxsize
 ) -> tuple[dict[str, Any], _NumberGuard]:
     # A body of at most 2 x max_containers bytes cannot hold too many containers (each takes two
-    # bytes): it is decoded first and its nesting read from the decoded containers, ~2x cheaper
-    # than the raw scan on an agent's 56 KB body. Decoding a longer body could take seconds
-    # (15 MB of [[[…]]] towers: 4.7 s), so a longer one is scanned before it is decoded.
-    short = len(raw_body) <= 2 * max_containers
-    if not short:
-        _refuse_shape(raw_body, max_depth, max_containers)
-    # Without a digit run as long as the double range, no integer literal can leave it: skip
-    # the per-integer hook then (it costs ~0.3 µs an integer, e.g. for token-id prompts), and
-    # the fast decoder's integers are the precise path's.
-    long_digits = _LONG_DIGIT_RUN in raw_body.translate(_DIGITS_AS_ZERO)
-    if not long_digits:
+    # bytes): it is decoded first, and its nesting and integers are read from what was decoded,
+    # ~2x cheaper than the raw scans on an agent's 56 KB body. Decoding a longer body could take
+    # seconds (15 MB of [[[…]]] towers: 4.7 s), so a longer one is scanned before it is decoded.
+    if len(raw_body) <= 2 * max_containers:
         try:
             body = _FAST.decode(raw_body)
         except (msgspec.DecodeError, RecursionError):
             pass  # refused (or an edge the fast decoder rejects, e.g. a "\ud800" escape): be precise
         else:
-            if short and nests_deeper(body, max_depth):
+            refused = decoded_refusal(body, max_depth)
+            if refused == "depth":
                 raise _too_deep(max_depth)
+            if refused is None:
+                if not isinstance(body, dict):
+                    raise BadRequest("request body must be a JSON object")
+                return body, _NumberGuard()
+            return _load_precise(raw_body, max_depth, True)  # an integer past the range: named there
+        _refuse_shape(raw_body, max_depth, max_containers)  # its errors come before the precise path's
+        return _load_precise(raw_body, max_depth, _long_digits(raw_body))
+    _refuse_shape(raw_body, max_depth, max_containers)
+    long_digits = _long_digits(raw_body)
+    if not long_digits:
+        try:
+            body = _FAST.decode(raw_body)
+        except (msgspec.DecodeError, RecursionError):
+            pass
+        else:
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             return body, _NumberGuard()
-    if short:  # the precise path's errors come after the shape's, as for a long body
-        _refuse_shape(raw_body, max_depth, max_containers)
     return _load_precise(raw_body, max_depth, long_digits)
 
 
-def nests_deeper(decoded: Any, limit: int) -> bool:
-    """True if the arrays/objects of a decoded body nest deeper than ``limit`` levels (``{}`` is
-    1): one pass over its containers, level by level, without recursion."""
-    level, depth = ([decoded] if type(decoded) is dict or type(decoded) is list else []), 1
+def _long_digits(raw_body: bytes) -> bool:
+    """Whether a digit run as long as the double range's is in the body: without one no integer
+    literal can leave it, and the precise path skips its per-integer hook (~0.3 µs an integer,
+    e.g. for token-id prompts)."""
+    return _LONG_DIGIT_RUN in raw_body.translate(_DIGITS_AS_ZERO)
+
+
+def decoded_refusal(decoded: Any, max_depth: int) -> str | None:
+    """Why a decoded body is refused: ``"depth"`` (arrays/objects nest deeper than ``max_depth``
+    levels, ``{}`` being 1), ``"number"`` (an integer past the double range: the precise path
+    words it, naming its field), or None. One pass over its containers, level by level,
+    without recursion."""
+    level = [decoded] if type(decoded) is dict or type(decoded) is list else []
+    depth, big = 1, False
     while level:
-        if depth > limit:
-            return True
+        if depth > max_depth:
+            return "depth"
         inner = []
         for container in level:
             for value in container.values() if type(container) is dict else container:
-                if type(value) is dict or type(value) is list:
+                kind = type(value)
+                if kind is dict or kind is list:
                     inner.append(value)
+                elif kind is int and not -_NUMBER_MAX_INT <= value <= _NUMBER_MAX_INT:
+                    big = True
         level, depth = inner, depth + 1
-    return False
+    return "number" if big else None
+
+
+def nests_deeper(decoded: Any, limit: int) -> bool:
+    """True if the arrays/objects of a decoded body nest deeper than ``limit`` levels."""
+    return decoded_refusal(decoded, limit) == "depth"
 
 
 def _refuse_shape(raw_body: bytes, max_depth: int, max_containers: int) -> None:
