@@ -65,7 +65,6 @@ class _Connection(asyncio.Protocol):
         self._headers_ready: asyncio.Future[None] | None = None
         self._header_name = b""
         self._paused = False
-        self._paused_in_answer = False  # reading was paused during the current answer
         self._complete = False
         self._interim = False  # a 1xx (100 Continue, 103 Early Hints) precedes the final response
         self._received = 0  # bytes of the current request's answer so far
@@ -175,7 +174,6 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
         self._interim = False
         self._received = 0
-        self._paused_in_answer = False
         response = self._response = UpstreamResponse(self)
         self._headers_ready = asyncio.get_running_loop().create_future()
         self._transport.write(request)
@@ -190,7 +188,6 @@ class _Connection(asyncio.Protocol):
     def pause_reading(self) -> None:
         if not self._paused and self._transport is not None and not self.closed:
             self._paused = True
-            self._paused_in_answer = True
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
@@ -203,9 +200,7 @@ class _Connection(asyncio.Protocol):
             return
         self._response = None
         self._headers_ready = None
-        # Paused, it may hold unread bytes past the answer's end in the kernel: reused, a waiting
-        # request could send on it before they were read, and parse them as its own answer.
-        if self._complete and self._keep_alive and not self.closed and not self._paused_in_answer:
+        if self._complete and self._keep_alive and not self.closed:
             self.resume_reading()
             self.idle_since = time.monotonic()
             self._pool.put(self)
