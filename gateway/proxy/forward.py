@@ -364,7 +364,7 @@ class Proxy:
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         idle_s = attempt.settings.timeouts.idle_s
-        events = SSEEventBuffer(request.api)  # only whole events reach the client: never half of one
+        events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
         head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
         on_first = partial(self._first_byte, request, endpoint, attempt)
         if upstream.ended_cleanly:  # all of it is here (a short answer): headers, events, end: one write
@@ -393,7 +393,7 @@ class Proxy:
             last = relay.closing() if failure is None else b""  # the events that came with the end
             final, usage_tail = relay.last, relay.previous[-2048:] + relay.last[-2048:]
         sse = "event-stream" in headers["content-type"]  # the body ended cleanly: is the stream whole?
-        rest, failure = stream_end(request.api, events, final, sse) if failure is None else (b"", failure)
+        rest, failure = stream_end(events, sse) if failure is None else (b"", failure)
         last += rest
         if failure is None:
             self._report_usage(request, endpoint, attempt, usage_tail)

@@ -67,23 +67,6 @@ def extract_usage(payload: bytes) -> Usage | None:
 
 _MAX_PARTIAL_EVENT = 65536  # beyond this a "stream" is not SSE: pass it on as it comes
 
-# The events that end a typed stream, or the engine's own in-band error: the last event of a
-# whole stream is one of them, named on its ``event:`` line and by its data's ``type`` (first
-# or last of its keys). In a JSON string a quote is escaped: the quoted forms cannot match there.
-_FINAL_EVENTS: dict[ApiKind, tuple[bytes, ...]] = {
-    ApiKind.MESSAGES: (b"event: message_stop", b'"message_stop"', b"event: error"),
-    ApiKind.RESPONSES: (
-        b"event: response.completed",
-        b"event: response.incomplete",
-        b"event: response.failed",
-        b'"response.completed"',
-        b'"response.incomplete"',
-        b'"response.failed"',
-        b"event: error",
-    ),
-}
-_FINAL_HEAD_BYTES = 512
-
 
 def ends_event(data: bytes) -> bool:
     return data.endswith((b"\n\n", b"\r\n\r\n"))
@@ -93,75 +76,48 @@ class SSEEventBuffer:
     """Cuts a byte stream at event boundaries: what :meth:`complete` returns ends with a blank
     line, the rest waits for the next chunk. An upstream that dies mid-event then never puts
     half an event in front of the client (whose SSE parser would fail on it instead of
-    reading the error event that follows).
+    reading the error event that follows)."""
 
-    For a typed-event API (``api`` with a final event) it also keeps :attr:`final_head`, the
-    first bytes of the last event begun: a final event that echoes the whole response can be
-    far longer than the last chunk, whose bytes alone would not show which event it is."""
+    __slots__ = ("_tail",)
 
-    __slots__ = ("_at_start", "_tail", "_track", "final_head")
-
-    def __init__(self, api: ApiKind | None = None) -> None:
+    def __init__(self) -> None:
         self._tail = b""
-        self._track = api in _FINAL_EVENTS
-        self._at_start = True  # what was returned so far ended an event
-        self.final_head = b""
 
     def complete(self, chunk: bytes) -> bytes:
         if self._tail:
             chunk = self._tail + chunk
             self._tail = b""
-        if not ends_event(chunk):  # the common case is that it does: engines write whole events
-            cut = chunk.rfind(b"\n\n")
-            cut = cut + 2 if cut != -1 else 0
-            crlf = chunk.rfind(b"\r\n\r\n")
-            if crlf != -1:
-                cut = max(cut, crlf + 4)
-            if len(chunk) - cut <= _MAX_PARTIAL_EVENT:  # else no event stream: passed on as it is
-                self._tail = chunk[cut:]
-                chunk = chunk[:cut]
-        if self._track and chunk:
-            self._note_final(chunk)
-        return chunk
-
-    def _note_final(self, out: bytes) -> None:
-        end = len(out)
-        while end and out[end - 1] in b"\r\n":  # the blank line that ends the last event
-            end -= 1
-        lf, crlf = out.rfind(b"\n\n", 0, end), out.rfind(b"\r\n\r\n", 0, end)
-        start = max(lf + 2 if lf != -1 else -1, crlf + 4 if crlf != -1 else -1)
-        if start >= 0:
-            self.final_head = out[start : start + _FINAL_HEAD_BYTES]
-        elif self._at_start:  # one event, begun here
-            self.final_head = out[:_FINAL_HEAD_BYTES]
-        self._at_start = ends_event(out)
+        if ends_event(chunk):  # the common case: engines write whole events
+            return chunk
+        cut = chunk.rfind(b"\n\n")
+        cut = cut + 2 if cut != -1 else 0
+        crlf = chunk.rfind(b"\r\n\r\n")
+        if crlf != -1:
+            cut = max(cut, crlf + 4)
+        if len(chunk) - cut > _MAX_PARTIAL_EVENT:
+            return chunk
+        self._tail = chunk[cut:]
+        return chunk[:cut]
 
     def flush(self) -> bytes:
         tail, self._tail = self._tail, b""
         return tail
 
 
-def stream_end(api: ApiKind, events: SSEEventBuffer, final: bytes, sse: bool) -> tuple[bytes, str | None]:
+def stream_end(events: SSEEventBuffer, sse: bool) -> tuple[bytes, str | None]:
     """At the clean end of a stream's body: what is left to write, and why the stream is
-    broken after all (None when it is whole). ``final``: its last whole events; ``events``
-    (made for ``api``) knows how the last of them began.
+    broken after all (None when it is whole).
 
     An event left unterminated is dropped (an SSE client discards it anyway) and the stream
-    is broken: a close-delimited body that closes mid-event, or an engine that died behind
-    a proxy that ended the chunked body properly. A Messages or Responses stream without
-    its final event is broken too: the SDKs would return a message with no stop reason.
-    A body that is no event stream at all (``sse`` false) is passed on as it came.
+    is broken: a close-delimited body that closes mid-event, or an engine that died behind a
+    proxy that ended the chunked body properly. Line ends alone are no event (the rest of a
+    blank line, after an event passed on in pieces). A body that is no event stream at all
+    (``sse`` false) is passed on as it came.
     """
     rest = events.flush()
-    if not sse:
+    if not sse or not rest.strip(b"\r\n"):
         return rest, None
-    if rest:
-        return b"", "upstream stream ended in the middle of an event"
-    finals = _FINAL_EVENTS.get(api)
-    last_event = events.final_head + final[-_FINAL_HEAD_BYTES:]  # its start, and its end
-    if finals is not None and not any(marker in last_event for marker in finals):
-        return b"", "upstream stream ended without its final event"
-    return b"", None
+    return b"", "upstream stream ended in the middle of an event"
 
 
 def error_event(
