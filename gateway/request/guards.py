@@ -264,11 +264,6 @@ def _scalar_bounds(items: list[Any]) -> tuple[Any, Any] | None:
     return low, high  # compared without error from a scalar: all numbers, or all strings
 
 
-def nests_deeper(decoded: Any, limit: int) -> bool:
-    """True if the arrays/objects of a decoded body nest deeper than ``limit`` levels."""
-    return decoded_refusal(decoded, limit) == "depth"
-
-
 def _refuse_shape(raw_body: bytes, max_depth: int, max_containers: int) -> None:
     refused = refused_shape(raw_body, max_depth, max_containers)
     if refused is None:

@@ -107,7 +107,7 @@ def test_the_depth_scan_is_exact_on_valid_json(
 def test_the_decoded_depth_check_is_exact(value: object, limit: int) -> None:
     """A short body is decoded first and its depth read from what was decoded: the same answer
     as the raw scan's, scalars (depth 0) included."""
-    assert guards.nests_deeper(value, limit) is (depth(value) > limit)
+    assert (guards.decoded_refusal(value, limit) == "depth") is (depth(value) > limit)
     raw = json.dumps({"v": value}).encode()
     decoded_first = outcome(lambda b: load_object(b, limit + 1), raw)  # 2 x maxsize: short
     scanned_first = outcome(lambda b: load_object(b, limit + 1, max_containers=len(b) // 2 - 1), raw)
