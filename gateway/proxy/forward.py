@@ -36,14 +36,13 @@ from gateway.proxy.pd import PDCoordinator, unless_prefill_fails
 from gateway.proxy.relay import StreamRelay
 from gateway.proxy.resilience import CircuitBreakers, backoff_s
 from gateway.proxy.sse import (
-    SSEEventBuffer,
     aborted,
     ends_event,
     error_event,
     extract_usage,
     read_past_role_chunk,
-    stream_end,
 )
+from gateway.proxy.typed_events import event_buffer, stream_end
 from gateway.proxy.upstream import (
     ConnectFailed,
     ConnectionLost,
@@ -364,7 +363,9 @@ class Proxy:
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         idle_s = attempt.settings.timeouts.idle_s
-        events = SSEEventBuffer()  # only whole events reach the client: a cut never leaves half of one
+        events = event_buffer(
+            request.api
+        )  # only whole events reach the client: a cut never leaves half of one
         head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
         on_first = partial(self._first_byte, request, endpoint, attempt)
         if upstream.ended_cleanly:  # all of it is here (a short answer): headers, events, end: one write
@@ -393,7 +394,7 @@ class Proxy:
             last = relay.closing() if failure is None else b""  # the events that came with the end
             final, usage_tail = relay.last, relay.previous[-2048:] + relay.last[-2048:]
         sse = "event-stream" in headers["content-type"]  # the body ended cleanly: is the stream whole?
-        rest, failure = stream_end(events, sse) if failure is None else (b"", failure)
+        rest, failure = stream_end(events, sse, request.api) if failure is None else (b"", failure)
         last += rest
         if failure is None:
             self._report_usage(request, endpoint, attempt, usage_tail)

@@ -126,7 +126,7 @@ class StreamRelay:
     def closing(self) -> bytes:
         """After a clean end: the stream's last whole events, not yet written (those that came
         with the end), counted as written; the caller writes them with the end of the body,
-        and decides what an unterminated rest means (:func:`~gateway.proxy.sse.stream_end`)."""
+        and decides what an unterminated rest means (:func:`~gateway.proxy.typed_events.stream_end`)."""
         chunk = self._events.complete(self._tail)
         self._tail = b""
         if chunk:

@@ -21,7 +21,6 @@ __all__ = [
     "error_event",
     "extract_usage",
     "read_past_role_chunk",
-    "stream_end",
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -102,22 +101,6 @@ class SSEEventBuffer:
     def flush(self) -> bytes:
         tail, self._tail = self._tail, b""
         return tail
-
-
-def stream_end(events: SSEEventBuffer, sse: bool) -> tuple[bytes, str | None]:
-    """At the clean end of a stream's body: what is left to write, and why the stream is
-    broken after all (None when it is whole).
-
-    An event left unterminated is dropped (an SSE client discards it anyway) and the stream
-    is broken: a close-delimited body that closes mid-event, or an engine that died behind a
-    proxy that ended the chunked body properly. Line ends alone are no event (the rest of a
-    blank line, after an event passed on in pieces). A body that is no event stream at all
-    (``sse`` false) is passed on as it came.
-    """
-    rest = events.flush()
-    if not sse or not rest.strip(b"\r\n"):
-        return rest, None
-    return b"", "upstream stream ended in the middle of an event"
 
 
 def error_event(
