@@ -25,6 +25,7 @@ from gateway.config.fleet import (
     HealthConfig,
     KubernetesDiscoveryConfig,
     ScrapeConfig,
+    check_api_key,
     check_endpoint_url,
 )
 from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
@@ -55,6 +56,7 @@ __all__ = [
     "SloConfig",
     "SloTarget",
     "WeightedTarget",
+    "check_api_key",
     "check_endpoint_url",
     "format_validation_error",
     "load_config",

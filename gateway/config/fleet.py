@@ -19,6 +19,7 @@ __all__ = [
     "HealthConfig",
     "KubernetesDiscoveryConfig",
     "ScrapeConfig",
+    "check_api_key",
     "check_endpoint_url",
 ]
 
@@ -39,6 +40,15 @@ def check_endpoint_url(value: str) -> str:
     if port == 0 or parts.netloc.endswith(":"):
         raise ValueError("port must be a number from 1 to 65535")
     return value.rstrip("/")
+
+
+def check_api_key(value: str) -> str:
+    """A bearer token goes into a header line: printable ASCII only. A line end in it made
+    every request to the replica fail inside the HTTP client (its health probes too, so it
+    stayed unhealthy for ever, with nothing above a debug log to say why)."""
+    if any(ord(c) < 0x21 or ord(c) >= 0x7F for c in value):
+        raise ValueError("must be printable ASCII, without spaces or control characters")
+    return value
 
 
 class EndpointConfig(_Strict):
@@ -66,6 +76,11 @@ class EndpointConfig(_Strict):
     @classmethod
     def _http_url(cls, value: str) -> str:
         return check_endpoint_url(value)
+
+    @field_validator("api_key")
+    @classmethod
+    def _header_safe_key(cls, value: str | None) -> str | None:
+        return None if value is None else check_api_key(value)
 
 
 class HealthConfig(_Strict):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.config import ConfigError, EndpointConfig
+from gateway.config import ConfigError, EndpointConfig, check_api_key
 from gateway.fleet.dp import set_ranks, sync_targets
 from gateway.fleet.endpoint import Endpoint, EngineKind, Role, public_url
 
@@ -27,11 +27,13 @@ def upstream_auth_header(cfg: EndpointConfig) -> str | None:
     token = cfg.api_key
     if cfg.api_key_file:
         try:
-            token = Path(cfg.api_key_file).read_text().strip()
+            token = check_api_key(Path(cfg.api_key_file).read_text().strip())
         except OSError as exc:
             raise ConfigError(
                 f"endpoints: cannot read api_key_file for {public_url(cfg.url)}: {exc.strerror}"
             ) from None
+        except ValueError as exc:  # a line end inside it, or no text at all
+            raise ConfigError(f"endpoints: api_key_file for {public_url(cfg.url)}: {exc}") from None
     if token:
         return f"Bearer {token}"
     parts = urlsplit(cfg.url)

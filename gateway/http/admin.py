@@ -112,7 +112,11 @@ def _target(state: GatewayState, request: web.Request, body: dict[str, Any]) -> 
         matches = [e for e in state.registry if e.base_url == url]
         endpoint = matches[0] if len(matches) == 1 else None
     if endpoint is None:
-        raise NotFound(f"no endpoint {public_url(url)!r}", code="endpoint_not_found")
+        try:
+            shown = public_url(url)
+        except ValueError:  # "http://[::1": no endpoint's URL, and no URL at all
+            raise _bad(f"url is not a valid URL: {url[:200]!r}") from None
+        raise NotFound(f"no endpoint {shown!r}", code="endpoint_not_found")
     return endpoint
 
 
