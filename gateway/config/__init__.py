@@ -25,7 +25,6 @@ from gateway.config.fleet import (
     HealthConfig,
     KubernetesDiscoveryConfig,
     ScrapeConfig,
-    check_api_key,
     check_endpoint_url,
 )
 from gateway.config.kv_events import ExactPrefixConfig, KVEventSourceConfig
@@ -56,7 +55,6 @@ __all__ = [
     "SloConfig",
     "SloTarget",
     "WeightedTarget",
-    "check_api_key",
     "check_endpoint_url",
     "format_validation_error",
     "load_config",

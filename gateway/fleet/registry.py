@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from gateway.config import ConfigError, EndpointConfig, check_api_key
+from gateway.config import ConfigError, EndpointConfig
+from gateway.config.fleet import check_api_key
 from gateway.fleet.dp import set_ranks, sync_targets
 from gateway.fleet.endpoint import Endpoint, EngineKind, Role, public_url
 
