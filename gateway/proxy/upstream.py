@@ -30,7 +30,10 @@ Health checks and metric scrapes, which are rare, still use aiohttp's client.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ssl
+import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -70,6 +73,8 @@ class _Connection(asyncio.Protocol):
         self._received = 0  # bytes of the current request's answer so far
         self._keep_alive = False
         self._until_close = False  # the response's body is delimited by the connection's close
+        self._paused_at_end = False  # reading was stopped when (or after) the answer's end was parsed
+        self._fd = -1  # the socket, when its kernel buffer tells what is left unread (plain TCP)
         self.closed = False
         self.requests_served = 0
         self.idle_since = time.monotonic()
@@ -78,6 +83,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the Transport interface without subclassing it.
         self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket") if self._pool.tls is None else None
+        self._fd = sock.fileno() if sock is not None else -1  # for unread_bytes: TLS has none to read
 
     def data_received(self, data: bytes) -> None:
         self._received += len(data)
@@ -154,6 +161,7 @@ class _Connection(asyncio.Protocol):
             self._interim = False
             return
         self._complete = True
+        self._paused_at_end = self._paused
         if self._response is not None:
             self._response._finish()
 
@@ -171,6 +179,7 @@ class _Connection(asyncio.Protocol):
     async def send(self, request: bytes) -> UpstreamResponse:
         assert self._transport is not None
         self._complete = False  # one parser per connection: llhttp handles keep-alive sequences
+        self._paused_at_end = False
         self._until_close = False
         self._interim = False
         self._received = 0
@@ -188,6 +197,7 @@ class _Connection(asyncio.Protocol):
     def pause_reading(self) -> None:
         if not self._paused and self._transport is not None and not self.closed:
             self._paused = True
+            self._paused_at_end |= self._complete
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
@@ -200,12 +210,29 @@ class _Connection(asyncio.Protocol):
             return
         self._response = None
         self._headers_ready = None
-        if self._complete and self._keep_alive and not self.closed:
+        # Through TLS, what came after the end while reading was paused may wait in the SSL layer,
+        # delivered only a loop turn later (no kernel check sees it): such a connection is not reused.
+        tls_held = self._paused_at_end and self._pool.tls is not None
+        if self._complete and self._keep_alive and not self.closed and not tls_held:
             self.resume_reading()
             self.idle_since = time.monotonic()
             self._pool.put(self)
         else:
             self.abort()
+
+    def unread_bytes(self) -> bool:
+        """Bytes wait in the kernel on this idle connection: nobody asked for them (past the last
+        answer's end, left there while reading was paused, or not yet polled). Reused, the next
+        request would take them for its answer: a desync. The loop reads them only on its next
+        poll, which a request made runnable in the same turn (or, on asyncio's loop, a pool waiter
+        woken by the release) runs before; one non-blocking ioctl looks now."""
+        if self._fd < 0:
+            return False  # TLS: ciphertext in the kernel says nothing (tickets); see finished()
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return True  # cannot tell: do not reuse
+        return waiting > 0
 
     def abort(self) -> None:
         self._response = None
@@ -241,7 +268,7 @@ class _Pool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # most recently used: least likely closed by the server
-            if not conn.closed and now - conn.idle_since < self._idle_timeout_s:
+            if not conn.closed and now - conn.idle_since < self._idle_timeout_s and not conn.unread_bytes():
                 return conn
             conn.abort()
         return None

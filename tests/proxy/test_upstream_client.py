@@ -239,6 +239,34 @@ async def test_large_body_arrives_intact_through_back_pressure(serve, make_clien
     assert len(server.connections) == 1
 
 
+async def test_bytes_left_unread_by_back_pressure_never_become_the_next_answer(serve, make_client):
+    """An answer whose end is read in the read that stops reading (back pressure), then bytes
+    nobody asked for while reading stays stopped: they wait in the kernel. The next request,
+    made before the loop polls the socket again, must not take them for its answer."""
+    big = b"x" * (512 * 1024 + 1)  # its last byte is the one that crosses the high-water mark
+    stray = fixed(b"POISON")
+
+    async def stray_after_the_end(conn: Conn) -> None:
+        while (request := await conn.read_request()) is not None:
+            await conn.send(fixed(big if request[2] == b"big" else b"fresh"))
+            if request[2] == b"big":
+                await asyncio.sleep(0.05)
+                await conn.send(stray)
+
+    server = await serve(stray_after_the_end)
+    client = make_client()
+    resp = await post(client, server, b"big")
+    await asyncio.sleep(0.3)  # the stray bytes arrive while reading is paused
+    async with within():
+        assert await resp.read() == big
+    resp.release()
+    resp = await post(client, server, b"small")  # same task step: no poll in between
+    async with within():
+        assert await resp.read() == b"fresh"
+    resp.release()
+    assert len(server.connections) == 2
+
+
 # -- keep-alive, release and close ----------------------------------------------------
 
 
