@@ -61,6 +61,7 @@ class MetricsPoller:
         metrics: GatewayMetrics,
         on_restart: Callable[[Endpoint], None] | None = None,
         on_scraped: Callable[[Endpoint], None] | None = None,
+        on_stale: Callable[[Endpoint], None] | None = None,
     ) -> None:
         self._registry = registry
         self._session = session
@@ -68,6 +69,7 @@ class MetricsPoller:
         self._metrics = metrics
         self._on_restart = on_restart
         self._on_scraped = on_scraped
+        self._on_stale = on_stale  # its metrics just went stale: what was read from them is unknown now
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         self._interval = Interval(config.interval_s)
         self._last_marker: dict[str, float] = {}
@@ -161,11 +163,13 @@ class MetricsPoller:
         now = time.monotonic()
         for endpoint in endpoints:
             m = endpoint.metrics
-            m.stale = m.scraped_at == 0 or now - m.scraped_at > self._config.stale_after_s
+            was_stale, m.stale = m.stale, m.scraped_at == 0 or now - m.scraped_at > self._config.stale_after_s
             for target in endpoint.rank_targets:
                 target.metrics.stale = m.stale
             if endpoint in self._registry:  # removed while scraped: its series are gone, keep them so
                 self._metrics.endpoint_metrics_stale.labels(endpoint.name).set(1 if m.stale else 0)
+                if m.stale and not was_stale and self._on_stale is not None:
+                    self._on_stale(endpoint)
 
     async def _scrape(self, endpoint: Endpoint) -> None:
         try:

@@ -339,6 +339,7 @@ async def _endpoint_monitors(app: web.Application) -> AsyncIterator[None]:
         state.metrics,
         on_restart=app[_FORGET],
         on_scraped=_on_scraped(state),
+        on_stale=_on_stale(state),
     )
     if state.config.scrape.enabled:
         state.poller = poller
@@ -416,6 +417,15 @@ def _on_scraped(state: GatewayState) -> Callable[[Endpoint], None]:
         state.admission.wake()
 
     return on_scraped
+
+
+def _on_stale(state: GatewayState) -> Callable[[Endpoint], None]:
+    def on_stale(endpoint: Endpoint) -> None:
+        """Its load is unknown now: not saturated (admission fails open), and so exported."""
+        state.admission.publish_saturation((endpoint,))
+        state.admission.wake()
+
+    return on_stale
 
 
 async def _admission_ticker(state: GatewayState, interval_s: float = 0.05) -> None:
