@@ -45,6 +45,9 @@ class FleetMembership:
         self.on_removed = on_removed
         self.on_replaced = on_replaced  # (previous, successor): same URL, new settings
         self._left_draining: dict[str, float] = {}  # URL → when it left the fleet while draining
+        # URL → the endpoint that left the fleet with requests still running on it: back (a config
+        # rolled back, a readiness flap), its successor counts them, as one replaced in place does
+        self._left_loaded: dict[str, Endpoint] = {}
         self._shadowed: set[str] = set()  # URLs left out as another spelling of a replica (logged once)
 
     def seed(self, source: str, endpoints: Iterable[EndpointConfig]) -> None:
@@ -98,12 +101,15 @@ class FleetMembership:
         replaced: list[tuple[Endpoint, Endpoint]] = []
         now = time.monotonic()
         self._left_draining = {u: t for u, t in self._left_draining.items() if now - t < _DRAIN_MEMORY_S}
+        self._left_loaded = {u: e for u, e in self._left_loaded.items() if _loaded(e)}
         for url in [u for u in self._owner if u not in wanted]:
             endpoint = self._registry.remove(url, rebuild=False)
             if endpoint is not None:
                 removed.append(endpoint)
                 if endpoint.draining:  # an admin drain outlives a blip of its source
                     self._left_draining[url] = now
+                if _loaded(endpoint):
+                    self._left_loaded[url] = endpoint
             del self._owner[url]
         for url, endpoint in built.items():
             previous = self._registry.get(url) if url in self._owner else None
@@ -112,6 +118,8 @@ class FleetMembership:
                 replaced.append((previous, endpoint))
             else:
                 endpoint.draining = self._left_draining.pop(url, None) is not None
+                if (left := self._left_loaded.pop(url, None)) is not None:
+                    _carry_load(left, endpoint)
                 added.append(endpoint)
             self._registry.add(endpoint, rebuild=False)
         self._owner.update(wanted)  # the winning source too (one that names it alike may take over)
@@ -143,8 +151,17 @@ def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
     endpoint.metrics = previous.metrics
     endpoint.draining = previous.draining
     endpoint.ejected = previous.ejected
-    _move_load(previous, endpoint)
     carry_targets(previous, endpoint)
+    _carry_load(previous, endpoint)
+
+
+def _loaded(endpoint: Endpoint) -> bool:
+    return endpoint.in_flight > 0 or any(target.in_flight > 0 for target in endpoint.rank_targets)
+
+
+def _carry_load(previous: Endpoint, endpoint: Endpoint) -> None:
+    """The replica's running requests, and its per-rank ones, count on its successor."""
+    _move_load(previous, endpoint)
     for old in previous.rank_targets:
         for new in endpoint.rank_targets:
             if new.dp_rank == old.dp_rank:

@@ -62,3 +62,54 @@ async def test_in_flight_survives_an_in_place_endpoint_change(start_upstream, st
         await asyncio.gather(*streams, return_exceptions=True)
         if "third" in locals():
             await asyncio.gather(third, return_exceptions=True)
+
+
+async def test_in_flight_survives_an_endpoint_that_leaves_and_comes_back(start_upstream, start_gateway, http):
+    """A config rolled back, a readiness flap, a DNS round without the record: the replica leaves
+    the fleet and returns while its streams still run. Found by review, 2026-12-05: it came back
+    counting 0, and took requests past its cap."""
+    upstream, other = await start_upstream(), await start_upstream()
+    gw = await start_gateway(
+        [upstream.url, other.url],
+        policy="round-robin",
+        admission={"endpoint_max_concurrency": 2, "queue_timeout_s": 5.0},
+    )
+    state = gw.state
+    upstream.mode = other.mode = "gated"
+    streams = [asyncio.create_task(_stream(http, gw)) for _ in range(4)]
+    third = None
+
+    async def both_full() -> bool:
+        rows = await debug_endpoints(http, gw)
+        return rows[upstream.url]["in_flight"] == 2 and rows[other.url]["in_flight"] == 2
+
+    try:
+        await wait_until(both_full, 2.0, "two streams in flight on each replica")
+        sent_before = len(upstream.requests) + len(other.requests)
+        whole = state.config
+        await apply_config(state, whole.model_copy(update={"endpoints": [EndpointConfig(url=other.url)]}))
+        assert upstream.url not in (await debug_endpoints(http, gw))
+        await apply_config(state, whole)  # back
+        assert (await debug_endpoints(http, gw))[upstream.url]["in_flight"] == 2
+        third = asyncio.create_task(_stream(http, gw))  # both at their cap: it waits in the queue
+        await asyncio.sleep(0.3)
+        assert len(upstream.requests) + len(other.requests) == sent_before, "a request was sent past the cap"
+        upstream.gate.set()
+        other.gate.set()
+        assert [status for status, _ in await asyncio.gather(*streams, third)] == [200] * 5
+
+        async def all_released() -> bool:
+            rows = await debug_endpoints(http, gw)
+            return rows[upstream.url]["in_flight"] == 0 and rows[other.url]["in_flight"] == 0
+
+        await wait_until(all_released, 2.0, "every stream released")
+        returned = state.registry.get(upstream.url)
+        assert returned.in_flight_tokens == 0 and returned.pending_prefill_tokens == 0
+        # Gone and back once more with nothing running: nothing is carried.
+        await apply_config(state, whole.model_copy(update={"endpoints": [EndpointConfig(url=other.url)]}))
+        await apply_config(state, whole)
+        assert state.registry.get(upstream.url).in_flight == 0
+    finally:
+        upstream.gate.set()
+        other.gate.set()
+        await asyncio.gather(*streams, *([third] if third else []), return_exceptions=True)
