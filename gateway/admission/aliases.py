@@ -1,7 +1,7 @@
 """Model aliases and weighted traffic splits (config ``models:``): the body's model rewritten.
 
 A request for an alias gets one of its targets, by weight; the body's ``model`` is
-rewritten (:func:`~gateway.admission.queue.rewrite_body`, as degrade's model switch) so
+rewritten (:func:`~gateway.admission.rewrite.rewrite_body`, as degrade's model switch) so
 the engine sees the model it serves. A request with a session keeps one target for the
 whole session (the choice is a hash of the session id, so a conversation does not flip
 between model versions and lose its KV cache); one without draws at random. A Responses
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.admission.queue import rewrite_body
+from gateway.admission.rewrite import rewrite_body
 from gateway.config.models import WeightedTarget, alias_targets
 from gateway.request.types import InferenceRequest
 

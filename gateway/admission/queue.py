@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import math
 import time
 from collections import Counter, OrderedDict, deque
@@ -34,14 +33,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.admission.rewrite import clamp_max_tokens, rewrite_body, switch_model
 from gateway.admission.saturation import SaturationDetector
 from gateway.config import AdmissionConfig
 from gateway.errors import GatewayError
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.request.types import ApiKind, InferenceRequest, Priority
+from gateway.request.types import InferenceRequest, Priority
 
-__all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftPredictor", "rewrite_body"]
+__all__ = ["AdmissionController", "RateLimited", "Ticket", "TtftPredictor"]
 
 _PRIORITIES = tuple(Priority)
 _TIMER_SLACK_S = 0.002  # a deadline timer fires this late, so that it never fires before the deadline
@@ -70,6 +70,9 @@ class Ticket:
     priority: str
     degraded: str | None = None  # what was degraded, for the response header
     released: bool = False
+    # Taken from the queue and not yet sent (its model): its load is not counted on any replica
+    # until it is, so its model's queue grants no other meanwhile (see AdmissionController.sent).
+    unsent_model: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -105,6 +108,7 @@ class AdmissionController:
         self._queued_standard = 0
         # Standard waiters by model: a new request queues behind those of its own model only.
         self._queued_models: Counter[str] = Counter()
+        self._unsent: Counter[str] = Counter()  # model → its tickets taken from the queue, not yet sent
         self._drain_scheduled = False
 
     def reconfigure(self, config: AdmissionConfig) -> None:
@@ -217,13 +221,13 @@ class AdmissionController:
             ticket = Ticket("sheddable")
             pressure = self._detector.pressure(self._candidates_for(request.model))
             if degrade.sheddable_max_tokens and pressure >= 0.5:
-                ticket.degraded = _clamp_max_tokens(request, degrade.sheddable_max_tokens)
+                ticket.degraded = clamp_max_tokens(request, degrade.sheddable_max_tokens)
             outcome = "degraded" if ticket.degraded else "admitted"
             return self._decided(self._grant(ticket), outcome, "pressure" if ticket.degraded else "headroom")
         fallback = degrade.fallback_model
         if fallback and not pinned and fallback != request.model and not self._saturated(fallback):
             if self._candidates_for(fallback):
-                ticket = Ticket("sheddable", degraded=_switch_model(request, fallback))
+                ticket = Ticket("sheddable", degraded=switch_model(request, fallback))
                 return self._decided(self._grant(ticket), "degraded", "fallback_model")
         raise self._refuse("sheddable", "saturated", "the model's replicas are saturated")
 
@@ -263,9 +267,29 @@ class AdmissionController:
             self._remove(waiter, queue)
             self._metrics.queue_wait.labels(priority).observe(time.monotonic() - waiter.enqueued_at)
         ticket = self._grant(Ticket(priority))
+        if priority != "critical":  # critical waits for its own cap, counted at the grant
+            ticket.unsent_model = request.model
+            self._unsent[request.model] += 1
         self._decided(ticket, "admitted", "dequeued")
         self.wake()  # let the next waiter be considered once this one is on its way
         return ticket
+
+    def sent(self, ticket: Ticket) -> None:
+        """The request is routed and about to be sent, its load counted on its replica from now
+        (the proxy counts it before it next yields): its model's queue may grant the next.
+
+        The drain grants one waiter per pass so that the next pass sees its load, but that load
+        is counted only at the send, after routing, which may wait on I/O (a Redis prefix index
+        or session store): every pass in that wait saw the same load and granted again, and the
+        queue was emptied past the saturation threshold."""
+        model = ticket.unsent_model
+        if model is None:
+            return
+        ticket.unsent_model = None
+        self._unsent[model] -= 1
+        if not self._unsent[model]:
+            del self._unsent[model]
+        self.wake()
 
     def _remove(self, waiter: _Waiter, queue: deque[_Waiter]) -> None:
         try:
@@ -312,10 +336,10 @@ class AdmissionController:
         now = time.monotonic()
         saturated: dict[str, bool] = {}  # by model, for this pass
 
-        def is_saturated(model: str) -> bool:
+        def is_saturated(model: str) -> bool:  # or one it granted is not counted yet
             state = saturated.get(model)
             if state is None:
-                state = saturated[model] = self._saturated(model)
+                state = saturated[model] = model in self._unsent or self._saturated(model)
             return state
 
         for tenant in list(self._standard):
@@ -377,6 +401,7 @@ class AdmissionController:
         if ticket.released:
             return
         ticket.released = True
+        self.sent(ticket)  # never sent (no replica, an error while routing): it holds up nobody
         self.in_flight -= 1
         if ticket.priority == "critical":
             self.critical_in_flight -= 1
@@ -411,40 +436,3 @@ def _due(waiter: _Waiter) -> float:
 
 def _rank(waiter: _Waiter, now: float) -> tuple[bool, float]:  # meetable first, then by deadline
     return waiter.due <= now, waiter.due
-
-
-def rewrite_body(request: InferenceRequest) -> None:
-    """Re-serialise ``request.body`` after the gateway changed it (the proxy sends ``raw_body``)."""
-    if request.form is not None:  # multipart (audio): the same parts, the changed fields
-        request.raw_body = request.form.encode(request.body)
-        return
-    request.raw_body = json.dumps(request.body, separators=(",", ":")).encode()
-
-
-# Where each API caps its output, preferred first; APIs without output tokens are not clamped.
-_OUTPUT_CAPS = {
-    ApiKind.CHAT: ("max_completion_tokens", "max_tokens"),
-    ApiKind.COMPLETIONS: ("max_tokens",),
-    ApiKind.MESSAGES: ("max_tokens",),
-    ApiKind.RESPONSES: ("max_output_tokens",),
-}
-
-
-def _clamp_max_tokens(request: InferenceRequest, ceiling: int) -> str | None:
-    fields = _OUTPUT_CAPS.get(request.api)
-    if fields is None:  # embeddings, rerank, audio …: nothing to shorten
-        return None
-    key = next((f for f in fields if f in request.body), fields[-1])
-    value = request.body.get(key)
-    if isinstance(value, int) and not isinstance(value, bool) and value <= ceiling:
-        return None
-    request.body[key] = ceiling
-    rewrite_body(request)
-    return f"{key}={ceiling}"
-
-
-def _switch_model(request: InferenceRequest, model: str) -> str:
-    request.body["model"] = model
-    request.model = model
-    rewrite_body(request)
-    return f"model={model}"

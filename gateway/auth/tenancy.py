@@ -15,7 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.admission.queue import RateLimited, rewrite_body
+from gateway.admission.queue import RateLimited
+from gateway.admission.rewrite import rewrite_body
 from gateway.auth import (
     KeyFileError,
     KeyStore,

@@ -116,6 +116,7 @@ async def _route(
                 request.context.at_cap = frozenset(e.name for e in every) - {e.name for e in candidates}
         routing = state.routing  # read once: a reload mid-request must not mix two policies
         result = await routing.scheduler.schedule(request, candidates)
+        state.admission.sent(ticket)  # counted on its replica before this task next yields
         if state.access_log.enabled:
             request.context.route = RouteTrace(result.primary_profile, round(result.ranked[0].score, 4))
         extra = {"x-request-id": request.request_id, **extra}
