@@ -58,6 +58,15 @@ class TypedEventBuffer(SSEEventBuffer):
         return super().complete(chunk)
 
     def _track(self, data: bytes) -> None:
+        # the engines' way: whole events per read, LF framing, the event line first
+        if not self._current and data.endswith(b"\n\n") and b"\r" not in data:
+            cut = data.rfind(b"\n\n", 0, -2)
+            start = cut + 2 if cut != -1 else 0
+            if data.startswith(b"event:", start):  # named on its first line: the last event's name
+                self.last_event = (
+                    data[start + 6 : data.index(b"\n", start)].strip().decode("utf-8", "replace")
+                )
+                return
         whole = self._current_whole
         view = (self._current if whole else self._edge) + data
         end = _boundary_end(view)
