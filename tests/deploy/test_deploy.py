@@ -229,7 +229,7 @@ def test_rules_structure():
     assert "llm_gateway_endpoint_ejected" in ejected["expr"] and ejected["for"] == "5m"
     assert 'result="rejected"' in alerts["LLMGatewayConfigReloadRejected"]["expr"]
     assert "llm_gateway_retry_budget_exhausted_total" in alerts["LLMGatewayRetryBudgetExhausted"]["expr"]
-    assert len(alerts) == 10
+    assert len(alerts) == 11
 
 
 # --- Kubernetes manifests ---------------------------------------------------------------------

@@ -10,8 +10,9 @@ interval, the range windows and the ``for:`` durations shrink, per its tables):
 ==========  =====================================================  ====================================
 gateway     fault (then undone)                                    alert that must fire (and only it)
 ==========  =====================================================  ====================================
-main        a rejected config reload (the reloader's real path),   LLMGatewayConfigReloadRejected
-            a discovered replica's pod turns NotReady
+main        a rejected config reload (the reloader's real path),   LLMGatewayConfigReloadRejected,
+            a discovered replica's pod turns NotReady, then the    DiscoveryFailing
+            API server fails every LIST and closes the watch
 down        its only replica killed, restarted on its port         NoHealthyEndpoints, MetricsStale
 eject       one replica answers 500, the other is fine             EndpointEjected
 retry       one replica answers 500, breaker off, budget zero      RetryBudgetExhausted
@@ -232,11 +233,14 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
     await prefill.fault(http, "no_transfer")
     await prefill_2.fault(http, "error", status=500)
     api.put(make_pod("sim-1", "127.0.0.1", ready=False, **pod))  # a replica leaves: no alert
+    api.list_status = 500  # then the API server fails (after that change): every re-list fails
+    api.close()
     workers_key.unlink()  # a replacement cannot load its config until the file is back
     os.kill(min(worker_pids(workers.pid)), signal.SIGKILL)
 
     expected: dict[str, dict[str, str]] = {
         "LLMGatewayConfigReloadRejected": {"instance": host(main)},
+        "LLMGatewayDiscoveryFailing": {"instance": host(main)},
         "LLMGatewayNoHealthyEndpoints": {"instance": host(down)},
         "LLMGatewayEndpointMetricsStale": {"instance": host(down), "endpoint": down_r.name},
         "LLMGatewayEndpointEjected": {"instance": host(eject), "endpoint": eject_r[1].name},
@@ -312,6 +316,7 @@ async def test_dashboards_rules_and_alerts_on_a_live_prometheus(http, stack, tmp
     await redis.start_async()
     await prefill.fault(http, "none")
     await prefill_2.fault(http, "none")
+    api.list_status = 200
     api.put(make_pod("sim-1", "127.0.0.1", **pod))
     workers_key.write_text("token\n")
     resolved_after: dict[str, float] = {}
