@@ -183,7 +183,10 @@ def load_object(
     # bytes): it is decoded first, and its nesting and integers are read from what was decoded,
     # ~2x cheaper than the raw scans on an agent's 56 KB body. Decoding a longer body could take
     # seconds (15 MB of [[[…]]] towers: 4.7 s), so a longer one is scanned before it is decoded.
-    if len(raw_body) <= 2 * max_containers:
+    # So is a short body dense in values (a comma every 8 bytes or less, in 4 KB at its middle:
+    # token ids, tiny arrays), where decoding first cost ~2x the scans (a 199 KB token-id prompt:
+    # 1.0 → 0.7 ms; 66,000 empty arrays: 8.3 → 3.1 ms). Counting them all cost an agent body 17 µs.
+    if len(raw_body) <= 2 * max_containers and not _dense(raw_body):
         try:
             body = _FAST.decode(raw_body)
         except (msgspec.DecodeError, RecursionError):
@@ -211,6 +214,13 @@ def load_object(
                 raise BadRequest("request body must be a JSON object")
             return body, _NumberGuard()
     return _load_precise(raw_body, max_depth, long_digits)
+
+
+def _dense(raw_body: bytes) -> bool:
+    """A comma every 8 bytes or less in the 4 KB at the body's middle (a hint, not a guard: either
+    path refuses the same bodies)."""
+    middle = len(raw_body) // 2
+    return raw_body.count(b",", middle - 2048, middle + 2048) * 8 >= min(len(raw_body), 4096)
 
 
 def _long_digits(raw_body: bytes) -> bool:

@@ -109,7 +109,11 @@ def test_the_decoded_depth_check_is_exact(value: object, limit: int) -> None:
     as the raw scan's, scalars (depth 0) included."""
     assert (guards.decoded_refusal(value, limit) == "depth") is (depth(value) > limit)
     raw = json.dumps({"v": value}).encode()
-    decoded_first = outcome(lambda b: load_object(b, limit + 1), raw)  # 2 x maxsize: short
+    with mock.patch.object(guards, "_dense", lambda _raw: False):
+        decoded_first = outcome(lambda b: load_object(b, limit + 1), raw)  # 2 x maxsize: short
+    with mock.patch.object(guards, "_dense", lambda _raw: True):  # short, but dense in values
+        dense_short = outcome(lambda b: load_object(b, limit + 1), raw)
+    assert dense_short == decoded_first
     scanned_first = outcome(lambda b: load_object(b, limit + 1, max_containers=len(b) // 2 - 1), raw)
     if scanned_first[0] == "error" and scanned_first[2] == "json_too_large":
         return  # the long path's own bound: not a depth answer
@@ -153,3 +157,17 @@ def test_the_container_count_is_exact_on_valid_json(value: object, most: int) ->
 )
 def test_bodies_that_made_the_scan_slow_are_refused_before_it(raw: bytes) -> None:
     assert guards.refused_shape(raw, 32, 100) == "containers"
+
+
+@pytest.mark.parametrize(
+    ("raw", "dense"),
+    [
+        (json.dumps({"prompt": list(range(5_000))}).encode(), True),  # token ids
+        (b'{"input": [' + b"[]," * 5_000 + b"[]]}", True),
+        (json.dumps({"messages": [{"role": "user", "content": "some words, " * 500}]}).encode(), False),
+        (b"{}", False),
+    ],
+)
+def test_bodies_dense_in_values_are_told_apart(raw: bytes, dense: bool) -> None:
+    assert guards._dense(raw) is dense
+    assert outcome(lambda b: load_object(b, 32, 100_000), raw) == outcome(precise, raw)
