@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _DRAIN = 256  # messages decoded per wake-up before yielding to the loop
 _SLICE_S = 0.005  # and at most this long: a batch can hold thousands of blocks (a replay: 10k batches)
 _POLL_MS = 250
+_HEARTBEAT_IVL_MS = 1000  # a ZMTP ping this often on a stream …
+_HEARTBEAT_TIMEOUT_MS = 3000  # … and a peer silent this long after one is gone
 # vLLM's replay ROUTER drops what its send queue (1,000 messages) cannot hold: a hole is asked
 # for again from where it starts (each fetch gets at least that far past it: ~10 for a full
 # 10,000-batch buffer), this many fetches at most before the state starts over after it
@@ -178,6 +180,13 @@ class _Stream:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # A SUB socket sends nothing once subscribed: a publisher whose host vanished without a
+        # FIN (power loss, a partition, a dropped NAT entry) left the stream "live" for ever, its
+        # blocks routed on and the engine that came back at that address never followed. ZMTP
+        # pings are answered by the peer's ZeroMQ I/O thread, not its Python: 3 s of silence
+        # after one is a dead peer, and the monitor below sees the disconnect.
+        sub.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         # connected means the ZeroMQ handshake is done: a port that accepts TCP and never speaks
         # ZMTP (a wrong port, a proxy before its upstream is up) must not count as a live stream

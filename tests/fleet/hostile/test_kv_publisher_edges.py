@@ -306,3 +306,75 @@ async def test_four_hundred_streams_all_come_up(publishers) -> None:
     eps = [pub.endpoint(20_000 + i) for i in range(400)]
     async with following(Fleet(eps)) as fleet:
         await until(lambda: all(fleet.index.live(e.name) for e in eps), within_s=30)
+
+
+class _Blackhole:
+    """A TCP relay to a publisher; :meth:`vanish` stops relaying without closing the subscriber's
+    side: what a publisher whose host lost power looks like (no FIN, no RST, silence)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self._pipes: list[tuple[asyncio.StreamWriter, list[asyncio.Task]]] = []
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+
+        tasks = [asyncio.create_task(pipe(reader, up_writer)), asyncio.create_task(pipe(up_reader, writer))]
+        self._pipes.append((up_writer, tasks))
+
+    def vanish(self) -> None:
+        for up_writer, tasks in self._pipes:
+            for task in tasks:
+                task.cancel()
+            up_writer.transport.abort()  # the dead host's side; the subscriber's stays open, silent
+        self._pipes.clear()
+
+    async def close(self) -> None:
+        self.vanish()
+        self._server.close()
+        await self._server.wait_closed()
+
+
+async def test_a_publisher_that_vanishes_without_closing_is_noticed_and_its_successor_followed(
+    publishers,
+) -> None:
+    """Found by review (2026-12-05): the subscriber sent nothing after subscribing, so a host that
+    died without closing TCP left the stream live for ever with its blocks, and the engine that
+    came back at the same address was never followed."""
+    first = publishers()
+    relay = _Blackhole(first.pub_port)
+    port = await relay.start()
+    ep = Endpoint("http://127.0.0.1:18_211", healthy=True)
+    ep.kv_events = KVEventSourceConfig(endpoint=f"tcp://127.0.0.1:{port}")
+    try:
+        async with following(Fleet([ep])) as fleet:
+            await until(lambda: fleet.index.live(ep.name))
+            await asyncio.sleep(0.3)  # the subscription has reached the publisher
+            first.send(batch([stored([1, 2, 3])]))
+            await until(lambda: fleet.index.size(ep.name) == 3)
+            relay.vanish()  # the host is gone: nothing closes
+            first.close()
+            second = publishers()  # the engine back at the same address, its cache empty
+            relay.target = second.pub_port
+            began = time.monotonic()
+            while fleet.index.size(ep.name) != 1:
+                assert time.monotonic() - began < 15, f"still {fleet.index.size(ep.name)} blocks"
+                second.send(batch([{"type": "AllBlocksCleared"}, stored([100])]))
+                await asyncio.sleep(0.25)
+            assert fleet.index.live(ep.name)
+    finally:
+        await relay.close()
