@@ -8,6 +8,7 @@ session id, priority, tenant. The parsed body is kept; it is what the proxy send
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -119,6 +120,19 @@ def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: Parse
     return None
 
 
+# The engines' own P/D hand-over: vLLM's KV-connector parameters (NIXL: which engine and blocks to
+# pull from, at which host and port) and SGLang's bootstrap server and room. Only the gateway's
+# P/D coordinator may set them: from a client, a decode replica would pull another request's
+# (another tenant's) KV blocks, or connect wherever the client said.
+_ENGINE_PD_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+
+
+def _without_engine_fields(body: dict[str, Any]) -> bytes:
+    for name in _ENGINE_PD_FIELDS:
+        body.pop(name, None)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def parse_request(
     api: ApiKind,
     raw_body: bytes,
@@ -171,6 +185,8 @@ def parse_request(
         )
     if numbers is not None:
         numbers.check_all()
+    if form is None and not _ENGINE_PD_FIELDS.isdisjoint(body):
+        raw_body = _without_engine_fields(body)
     return InferenceRequest(
         request_id=request_id,
         api=api,
