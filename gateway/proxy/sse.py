@@ -68,7 +68,7 @@ _MAX_PARTIAL_EVENT = 65536  # beyond this a "stream" is not SSE: pass it on as i
 
 
 def ends_event(data: bytes) -> bool:
-    return data.endswith((b"\n\n", b"\r\n\r\n"))
+    return data.endswith((b"\n\n", b"\n\r\n"))  # LF, CRLF (\r\n\r\n) or mixed framing
 
 
 class SSEEventBuffer:
@@ -90,9 +90,9 @@ class SSEEventBuffer:
             return chunk
         cut = chunk.rfind(b"\n\n")
         cut = cut + 2 if cut != -1 else 0
-        crlf = chunk.rfind(b"\r\n\r\n")
+        crlf = chunk.rfind(b"\n\r\n")  # \r\n\r\n, and a line's \n then a blank line's \r\n
         if crlf != -1:
-            cut = max(cut, crlf + 4)
+            cut = max(cut, crlf + 3)
         if len(chunk) - cut > _MAX_PARTIAL_EVENT:
             return chunk
         self._tail = chunk[cut:]

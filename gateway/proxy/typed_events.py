@@ -43,14 +43,23 @@ class TypedEventBuffer(SSEEventBuffer):
     Every byte of the stream enters through :meth:`complete` once (what it holds back is
     read again there only as the start of a later call's input, not tracked twice)."""
 
-    __slots__ = ("_current", "_current_whole", "_edge", "last_event")
+    __slots__ = ("_current", "_current_whole", "_edge", "_last")
 
     def __init__(self) -> None:
         super().__init__()
         self._current = b""  # the first bytes of the event being read
         self._current_whole = True  # whether _current is all of it so far
         self._edge = b""  # the stream's last two bytes, when _current is not all of its event
-        self.last_event: str | None = None  # None: no event of the API yet
+        # the last API event: its name, or the whole event to name it by (parsed only if it
+        # stays the last: 20 µs an event for a 3 KB data-only delta); None: no API event yet
+        self._last: str | bytes | None = None
+
+    @property
+    def last_event(self) -> str | None:
+        """The last API event's name; ``_UNNAMED`` when it cannot be read; None: none yet."""
+        if isinstance(self._last, bytes):
+            self._last = _data_type(self._last)
+        return self._last
 
     def complete(self, chunk: bytes) -> bytes:
         if chunk:
@@ -63,10 +72,13 @@ class TypedEventBuffer(SSEEventBuffer):
             cut = data.rfind(b"\n\n", 0, -2)
             start = cut + 2 if cut != -1 else 0
             if data.startswith(b"event:", start):  # named on its first line: the last event's name
-                self.last_event = (
-                    data[start + 6 : data.index(b"\n", start)].strip().decode("utf-8", "replace")
-                )
+                self._last = data[start + 6 : data.index(b"\n", start)].strip().decode("utf-8", "replace")
                 return
+            if data.startswith(b"data:", start) and len(data) - start <= _HEAD:
+                found = _api_event(data[start:-2], whole=True)
+                if found is not None:  # else ([DONE]) an earlier event of this read may be the last
+                    self._last = found
+                    return
         whole = self._current_whole
         view = (self._current if whole else self._edge) + data
         end = _boundary_end(view)
@@ -76,11 +88,11 @@ class TypedEventBuffer(SSEEventBuffer):
             events = view[:end].replace(b"\r\n", b"\n").split(b"\n\n")
             for index in range(len(events) - 2, -1, -1):
                 if index == 0 and not whole:
-                    name = _event_name(self._current, whole=False)
+                    found = _api_event(self._current, whole=False)
                 else:
-                    name = _event_name(events[index][:_HEAD], whole=len(events[index]) <= _HEAD)
-                if name is not None:
-                    self.last_event = name
+                    found = _api_event(events[index][:_HEAD], whole=len(events[index]) <= _HEAD)
+                if found is not None:
+                    self._last = found
                     break
             view, whole = view[end:], True
         if whole and len(view) <= _HEAD:
@@ -98,9 +110,18 @@ def _boundary_end(view: bytes) -> int:
     return max(lf + 2 if lf != -1 else 0, mixed + 3 if mixed != -1 else 0)
 
 
-def _event_name(event: bytes, *, whole: bool) -> str | None:
-    """The API event's name; None for no API event (a comment, ``[DONE]``, blank lines),
-    ``_UNNAMED`` for one whose name cannot be read from what is kept of it."""
+def _api_event(event: bytes, *, whole: bool) -> str | bytes | None:
+    """An API event's name from its event line, or the whole event to name it by later; None
+    for no API event (a comment, ``[DONE]``, blank lines); ``_UNNAMED`` for one whose name
+    cannot be read from what is kept of it (a long event: only its head is kept, which may
+    hold neither line)."""
+    if whole and event.startswith(b"data:"):  # data-only servers: kept as it is, named if last
+        return None if len(event) < 32 and event[5:].strip() == b"[DONE]" else event
+    return _lines_name(event, whole=whole)
+
+
+def _lines_name(event: bytes, *, whole: bool) -> str | bytes | None:
+    """:func:`_api_event` by its lines: the name, or the data of a whole event."""
     data = []
     for line in event.split(b"\n"):
         if line.startswith(b"event:"):
@@ -108,14 +129,21 @@ def _event_name(event: bytes, *, whole: bool) -> str | None:
         if line.startswith(b"data:"):
             data.append(line[5:])
     if not data:
-        return None
+        return None if whole else _UNNAMED
     payload = b"\n".join(data).strip()
     if payload == b"[DONE]":
         return None
-    if not whole:
-        return _UNNAMED
+    return payload if whole else _UNNAMED
+
+
+def _data_type(event: bytes) -> str:
+    """The name of a whole event kept to be named later: its event line, else the ``type`` of its
+    JSON data, else ``_UNNAMED``."""
+    found = _lines_name(event, whole=True)
+    if not isinstance(found, bytes):
+        return found or _UNNAMED
     try:
-        decoded = _decode(payload)
+        decoded = _decode(found)
     except (msgspec.DecodeError, ValueError):
         return _UNNAMED
     kind = decoded.get("type") if isinstance(decoded, dict) else None
@@ -143,8 +171,7 @@ def stream_end(events: SSEEventBuffer, sse: bool, api: ApiKind) -> tuple[bytes, 
         return rest, None
     if rest.strip(b"\r\n"):
         return b"", "upstream stream ended in the middle of an event"
-    if not isinstance(events, TypedEventBuffer) or events.last_event in (None, _UNNAMED):
+    last = events.last_event if isinstance(events, TypedEventBuffer) else None
+    if last is None or last == _UNNAMED or last in FINAL_EVENTS[api]:
         return rest, None
-    if events.last_event in FINAL_EVENTS[api]:
-        return rest, None
-    return rest, f"upstream stream ended before its final event (its last: {events.last_event[:64]!r})"
+    return rest, f"upstream stream ended before its final event (its last: {last[:64]!r})"
