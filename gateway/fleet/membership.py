@@ -119,6 +119,13 @@ class FleetMembership:
             else:
                 endpoint.draining = self._left_draining.pop(url, None) is not None
                 if (left := self._left_loaded.pop(url, None)) is not None:
+                    # Requests still run on it: it was serving a moment ago. Its health and models
+                    # come back with it (a replica not yet probed has no learned ranks to count
+                    # them on, and serves nothing until its models are read again).
+                    endpoint.healthy = left.healthy
+                    endpoint.discovered_models, endpoint.adapters = left.discovered_models, left.adapters
+                    if left.rank_targets and not endpoint.rank_targets:
+                        carry_targets(left, endpoint)
                     _carry_load(left, endpoint)
                 added.append(endpoint)
             self._registry.add(endpoint, rebuild=False)

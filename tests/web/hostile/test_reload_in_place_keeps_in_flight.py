@@ -113,3 +113,59 @@ async def test_in_flight_survives_an_endpoint_that_leaves_and_comes_back(start_u
         upstream.gate.set()
         other.gate.set()
         await asyncio.gather(*streams, *([third] if third else []), return_exceptions=True)
+
+
+def _dp2_metrics() -> str:
+    labels = [f'engine="{rank}",model_name="tiny"' for rank in (0, 1)]
+    return "".join(
+        f"vllm:num_requests_running{{{lb}}} 0\nvllm:num_requests_waiting{{{lb}}} 0\n"
+        f"vllm:kv_cache_usage_perc{{{lb}}} 0\n"
+        for lb in labels
+    )
+
+
+async def test_requests_on_learned_ranks_survive_a_leave_and_return(start_upstream, start_gateway, http):
+    """Its data-parallel ranks learned from /metrics (not configured): the one that came back had
+    no ranks to carry the requests to, and counted none of them (review, 2026-12-05)."""
+    upstream, other = await start_upstream(metrics_text=_dp2_metrics()), await start_upstream()
+    gw = await start_gateway(
+        [{"url": upstream.url, "models": ["tiny"]}, {"url": other.url, "models": ["other"]}],
+        health={"interval_s": 0.1, "timeout_s": 0.3},
+        scrape={"interval_s": 0.1, "timeout_s": 0.3},
+    )
+    state = gw.state
+    await _until(lambda: _ranks(state, upstream.url) == 2, "the replica's two ranks learned")
+    upstream.mode = "gated"
+    streams = [asyncio.create_task(_stream(http, gw)) for _ in range(4)]
+    try:
+        await _until(lambda: _counted(state, upstream.url) == 4, "four streams counted")
+        whole = state.config
+        await apply_config(state, whole.model_copy(update={"endpoints": whole.endpoints[1:]}))
+        assert state.registry.get(upstream.url) is None
+        await apply_config(state, whole)
+        assert _counted(state, upstream.url) == 4
+        await asyncio.sleep(0.5)  # scraped again: the ranks stay, and so do their counts
+        assert _ranks(state, upstream.url) == 2 and _counted(state, upstream.url) == 4
+        upstream.gate.set()
+        assert [status for status, _ in await asyncio.gather(*streams)] == [200] * 4
+        await _until(lambda: _counted(state, upstream.url) == 0, "every stream released")
+    finally:
+        upstream.gate.set()
+        await asyncio.gather(*streams, return_exceptions=True)
+
+
+def _ranks(state, url: str) -> int:
+    endpoint = state.registry.get(url)
+    return len(endpoint.rank_targets) if endpoint is not None else 0
+
+
+def _counted(state, url: str) -> int:
+    endpoint = state.registry.get(url)
+    return endpoint.in_flight + sum(t.in_flight for t in endpoint.rank_targets)
+
+
+async def _until(predicate, what: str) -> None:
+    async def check() -> bool:
+        return predicate()
+
+    await wait_until(check, 3.0, what)
