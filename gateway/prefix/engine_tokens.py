@@ -78,7 +78,8 @@ def tokenize_body(request: InferenceRequest) -> dict[str, Any] | list[int] | Non
             if "add_special_tokens" in body:
                 out["add_special_tokens"] = body["add_special_tokens"]
             return out
-        if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
+        # token ids as the engines hash them (uint32): any other is no token, and the engine says so
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return prompt
     return None
 
