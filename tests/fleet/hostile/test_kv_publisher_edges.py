@@ -378,3 +378,26 @@ async def test_a_publisher_that_vanishes_without_closing_is_noticed_and_its_succ
             assert fleet.index.live(ep.name)
     finally:
         await relay.close()
+
+
+async def test_made_up_event_types_are_counted_in_a_bounded_set_of_series(publishers) -> None:
+    """Found by review (2026-12-05): every unknown type a publisher sent became a series for ever
+    (3,000 made-up types: /metrics from 24 KB to 647 KB)."""
+    pub = publishers()
+    ep = pub.endpoint(18_212)
+    async with following(Fleet([ep])) as fleet:
+        await until(lambda: fleet.index.live(ep.name))
+        await asyncio.sleep(0.3)
+        for start in range(0, 3_000, 100):
+            pub.send(batch([{"type": f"FutureEvent{i:06d}"} for i in range(start, start + 100)]))
+        pub.send(batch([stored([1])]))  # known events still apply, after all of them
+        await until(lambda: fleet.index.size(ep.name) == 1)
+        samples = [
+            s
+            for metric in fleet.metrics.unknown.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        ]
+        assert len(samples) == 17  # 16 types by name, then "other"
+        assert sum(s.value for s in samples) == 3_000
+        assert next(s.value for s in samples if s.labels["type"] == "other") == 3_000 - 16
