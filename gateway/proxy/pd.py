@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
-from gateway.errors import UpstreamError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
@@ -40,7 +40,7 @@ from gateway.proxy.hooks import Outcome, RequestHooks
 from gateway.proxy.upstream import ConnectFailed, ConnectionLost, ResponseTooLarge, UpstreamClient
 from gateway.request.types import InferenceRequest
 
-__all__ = ["PDCoordinator", "PDLeg", "PDState", "unless_prefill_fails"]
+__all__ = ["PDCoordinator", "PDLeg", "PDState", "PrefillRefused", "unless_prefill_fails"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,36 @@ class PDState:
     leg: PDLeg | None = None  # the leg of the current decode attempt
     failed_prefill: set[Endpoint] = field(default_factory=set)  # prefill endpoints that failed it
     deadline: float = math.inf  # loop time by which the whole request must end: bounds every leg
+
+
+# A prefill replica's answers that say nothing of the request: another replica may take it.
+_RETRIED_4XX = frozenset({404, 408, 409, 429})
+
+
+class PrefillRefused(GatewayError):
+    """A prefill replica refused the request itself (a prompt past the context window, a bad
+    field): the client's error, worded as the engine worded it. Re-sent to every other prefill
+    replica, it was then a retryable 502 ``prefill_failed`` (or served decode-only, to be
+    refused again there)."""
+
+    error_type = "invalid_request_error"
+    code = "prefill_refused"
+
+    def __init__(self, status: int, payload: bytes) -> None:
+        super().__init__(_engine_message(payload) or f"the prefill replica refused the request ({status})")
+        self.status = status
+
+
+def _engine_message(payload: bytes) -> str | None:
+    """The message of an engine's error body: OpenAI's ``{"error": {"message"}}`` or vLLM's older
+    ``{"message"}``."""
+    try:
+        body = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    message = (error if isinstance(error, dict) else body if isinstance(body, dict) else {}).get("message")
+    return message if isinstance(message, str) and message else None
 
 
 class _RankRefused(Exception):
@@ -182,6 +212,8 @@ class PDCoordinator:
                     self._metrics.child(self._metrics.pd_prefill_failures, RANK_REFUSED).inc()
                     raise _RankRefused
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
+                if 400 <= response.status < 500 and response.status not in _RETRIED_4XX:
+                    raise PrefillRefused(response.status, payload)  # the request's fault: final
                 verdict = f"http_{response.status}" if response.status >= 500 else None  # 4xx: the request's
                 return None
             response.release()

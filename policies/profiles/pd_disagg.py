@@ -20,12 +20,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.prefix.cache import PrefixCache
-from gateway.request.types import InferenceRequest
+from gateway.request.types import ApiKind, InferenceRequest
 from gateway.scheduling.framework import PluginContext
 from gateway.scheduling.result import PDDecision, ScoredEndpoint
 from policies.params import Params
 
 TYPE_NAME = "pd-disagg"
+# The APIs whose prefill leg is capped at one token by ``max_tokens`` and handed over in the body
+# (vLLM 0.32 takes kv_transfer_params on all three). Not the Responses API: its prefill leg
+# would store a response on the prefill replica, and a chain continues only where its previous
+# response is stored. Nor embeddings, tokenize, rerank: they have no decode to hand over to.
+_GENERATING = frozenset({ApiKind.CHAT, ApiKind.COMPLETIONS, ApiKind.MESSAGES})
 
 
 class PDProfileHandler:
@@ -65,6 +70,8 @@ class PDProfileHandler:
         return [self._prefill] if disaggregate else []
 
     def _decide(self, request: InferenceRequest, decode_ranked: list[ScoredEndpoint]) -> tuple[bool, str]:
+        if request.api not in _GENERATING:
+            return False, "api_not_disaggregated"
         if self._decider == "always":
             return True, "always"
         if self._decider == "never":
