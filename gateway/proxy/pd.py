@@ -77,15 +77,18 @@ class PDState:
     deadline: float = math.inf  # loop time by which the whole request must end: bounds every leg
 
 
-# A prefill replica's answers that say nothing of the request: another replica may take it.
-_RETRIED_4XX = frozenset({404, 408, 409, 429})
+# A prefill replica's answers that refuse the request itself (a prompt past the context window,
+# a bad field): no other prefill replica would take it. 401/403 are the gateway's credentials
+# to the replica: its fault, as a 5xx is.
+_REFUSALS = frozenset({400, 413, 422})
+_REPLICA_FAULTS = frozenset({401, 403})
 
 
 class PrefillRefused(GatewayError):
-    """A prefill replica refused the request itself (a prompt past the context window, a bad
-    field): the client's error, worded as the engine worded it. Re-sent to every other prefill
-    replica, it was then a retryable 502 ``prefill_failed`` (or served decode-only, to be
-    refused again there)."""
+    """Without ``fallback_to_decode``: a prefill replica's refusal of the request, worded as the
+    engine worded it. (With it, the decode replica gets the client's own body and answers for
+    itself: the refusal may be of the leg's changes, a one-token cap, not of the request.)
+    Re-sent to every other prefill replica, it was a retryable 502 ``prefill_failed``."""
 
     error_type = "invalid_request_error"
     code = "prefill_refused"
@@ -109,6 +112,14 @@ def _engine_message(payload: bytes) -> str | None:
 
 class _RankRefused(Exception):
     """The prefill server has no such data-parallel rank (restarted with fewer)."""
+
+
+class _Refused(Exception):
+    """A prefill replica refused the request itself (see ``_REFUSALS``)."""
+
+    def __init__(self, status: int, payload: bytes) -> None:
+        super().__init__(status)
+        self.status, self.payload = status, payload
 
 
 class PDCoordinator:
@@ -150,6 +161,11 @@ class PDCoordinator:
                 queue[index:] = without_rank(endpoint, queue[index:])
                 self.on_rank_refused(endpoint)
                 continue
+            except _Refused as refused:  # no other prefill replica would take it
+                if not self._config.fallback_to_decode:
+                    raise PrefillRefused(refused.status, refused.payload) from None
+                self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
+                return None
             if leg is not None:
                 state.leg = leg
                 return leg
@@ -212,9 +228,10 @@ class PDCoordinator:
                     self._metrics.child(self._metrics.pd_prefill_failures, RANK_REFUSED).inc()
                     raise _RankRefused
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
-                if 400 <= response.status < 500 and response.status not in _RETRIED_4XX:
-                    raise PrefillRefused(response.status, payload)  # the request's fault: final
-                verdict = f"http_{response.status}" if response.status >= 500 else None  # 4xx: the request's
+                if response.status in _REFUSALS and self._config.protocol == "vllm":
+                    raise _Refused(response.status, payload)  # (SGLang's decode leg answers for itself)
+                faulty = response.status >= 500 or response.status in _REPLICA_FAULTS
+                verdict = f"http_{response.status}" if faulty else None  # else the request's
                 return None
             response.release()
             response = None

@@ -72,6 +72,8 @@ class PDProfileHandler:
     def _decide(self, request: InferenceRequest, decode_ranked: list[ScoredEndpoint]) -> tuple[bool, str]:
         if request.api not in _GENERATING:
             return False, "api_not_disaggregated"
+        if request.api is ApiKind.MESSAGES and _thinks(request.body):  # a 1-token leg is refused
+            return False, "thinking_budget"
         if self._decider == "always":
             return True, "always"
         if self._decider == "never":
@@ -96,6 +98,13 @@ class PDProfileHandler:
             return False
         request.context.pd_decision = PDDecision(False, "no_prefill_replica")
         return True
+
+
+def _thinks(body: Mapping[str, Any]) -> bool:
+    """Extended thinking asks for ``budget_tokens`` (at least 1,024) below ``max_tokens``: a prefill
+    leg capped at one token is refused by vLLM (400), so such a request is not disaggregated."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, dict) and thinking.get("type") == "enabled"
 
 
 def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> PDProfileHandler:

@@ -5,11 +5,12 @@ rerank input was computed twice (on a prefill replica, then the decode one), and
 502 under ``fallback_to_decode: false``; a Responses prefill leg kept the client's
 ``max_output_tokens`` (a whole generation on the prefill replica). And a prefill replica's 400
 (a prompt past the context window) was re-sent to every other prefill replica, then answered
-as a retryable 502 ``prefill_failed``.
+as a retryable 502 ``prefill_failed`` without fallback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -55,25 +56,91 @@ async def test_only_generating_apis_get_a_prefill_leg(fallback, start_upstream, 
     assert len(prefill.requests) == 1 and prefill.requests[0].json["max_tokens"] == 1
 
 
-async def test_a_prefill_replicas_refusal_is_the_clients_answer(start_upstream, start_gateway, http):
+_REFUSAL = {
+    "error": {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError"}
+}
+
+
+def _refusing(*prefills, status: int = 400) -> None:
+    for prefill in prefills:
+        prefill.mode, prefill.status, prefill.body = "status", status, json.dumps(_REFUSAL).encode()
+
+
+async def test_a_prefill_refusal_is_not_sent_to_another_prefill_replica(start_upstream, start_gateway, http):
+    """With fallback (the default) the decode replica gets the client's own body and answers for
+    itself: the refusal may be of the leg's one-token cap, not of the request."""
     first, second, decode = await start_upstream(), await start_upstream(), await start_upstream()
-    message = "This model's maximum context length is 2048 tokens."
-    refusal = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
-    for prefill in (first, second):
-        prefill.mode, prefill.status, prefill.body = "status", 400, json.dumps(refusal).encode()
+    _refusing(first, second)
     gw = await start_gateway(
         _fleet([first, second], decode), pd={"protocol": "vllm"}, scrape={"enabled": False}
     )
     body = chat_body(messages=[{"role": "user", "content": _long("c")}])
     async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    assert len(first.requests) + len(second.requests) == 1  # not re-sent to the other one
+    assert "kv_transfer_params" not in decode.requests[-1].json  # decode-only: the client's body
+
+
+async def test_without_fallback_a_prefill_refusal_is_the_clients_answer(start_upstream, start_gateway, http):
+    first, second, decode = await start_upstream(), await start_upstream(), await start_upstream()
+    _refusing(first, second)
+    pd = {"protocol": "vllm", "fallback_to_decode": False}
+    gw = await start_gateway(_fleet([first, second], decode), pd=pd, scrape={"enabled": False})
+    messages = [{"role": "user", "content": _long("c")}]
+    async with http.post(gw.url + "/v1/chat/completions", json=chat_body(messages=messages)) as resp:
         error = (await resp.json())["error"]
         assert resp.status == 400, error
-    assert error["message"] == refusal["error"]["message"] and error["code"] == "prefill_refused"
-    assert len(first.requests) + len(second.requests) == 1  # not re-sent to the other prefill replica
-    assert decode.requests == []  # nor served decode-only, to be refused there again
-    async with http.post(
-        gw.url + "/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": body["messages"]}
-    ) as resp:
+    assert error["message"] == _REFUSAL["error"]["message"] and error["code"] == "prefill_refused"
+    assert len(first.requests) + len(second.requests) == 1 and decode.requests == []
+    body = {"model": "tiny", "max_tokens": 4, "messages": messages}
+    async with http.post(gw.url + "/v1/messages", json=body) as resp:
         answer = await resp.json()
         assert resp.status == 400 and answer["type"] == "error", answer  # in the route's own format
-        assert answer["error"]["message"] == refusal["error"]["message"]
+        assert answer["error"]["message"] == _REFUSAL["error"]["message"]
+
+
+@pytest.mark.parametrize("status", [401, 403, 500])
+async def test_a_prefill_replicas_own_failure_goes_to_the_next_one(
+    status, start_upstream, start_gateway, http
+):
+    """401/403 are the gateway's credentials to that replica (review, 2026-12-05: they were
+    answered to the client as its own error): the next prefill replica, then decode-only."""
+    first, second, decode = await start_upstream(), await start_upstream(), await start_upstream()
+    _refusing(first, second, status=status)
+    gw = await start_gateway(
+        _fleet([first, second], decode), pd={"protocol": "vllm"}, scrape={"enabled": False}
+    )
+    body = chat_body(messages=[{"role": "user", "content": _long("c")}])
+    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    assert len(first.requests) == len(second.requests) == 1
+
+
+async def test_sglang_prefill_refusal_falls_back_at_once(start_upstream, start_gateway, http):
+    """SGLang's decode leg answers for itself; the refused prefill leg is a failed one (review,
+    2026-12-05: raised inside the concurrent prefill task, it was lost and the request hung)."""
+    prefill, decode = await start_upstream(), await start_upstream()
+    _refusing(prefill)
+    fleet = _fleet([prefill], decode, "sglang")
+    fleet[0]["bootstrap_port"] = 9
+    gw = await start_gateway(
+        fleet, pd={"protocol": "sglang"}, scrape={"enabled": False}, timeouts={"total_s": 5}
+    )
+    body = chat_body(messages=[{"role": "user", "content": _long("c")}])
+    async with asyncio.timeout(3), http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_messages_with_extended_thinking_are_not_disaggregated(start_upstream, start_gateway, http):
+    """vLLM refuses a one-token leg under a thinking budget (``budget_tokens`` < ``max_tokens``)."""
+    prefill, decode = await start_upstream(), await start_upstream()
+    gw = await start_gateway(_fleet([prefill], decode), pd={"protocol": "vllm"}, scrape={"enabled": False})
+    body = {
+        "model": "tiny",
+        "max_tokens": 4096,
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "messages": [{"role": "user", "content": _long("m")}],
+    }
+    async with http.post(gw.url + "/v1/messages", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    assert prefill.requests == [] and decode.requests[-1].json["thinking"] == body["thinking"]
