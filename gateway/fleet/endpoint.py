@@ -92,6 +92,9 @@ class Endpoint:
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> base model (/v1/models)
     adapters_in_flight: dict[str, int] = field(default_factory=dict)  # the gateway's, per adapter
     healthy: bool = False
+    # Healthy on the word of a copy that left the fleet (membership: back with requests running),
+    # not yet probed itself: its first failed probe takes it out, and its models are read again.
+    inherited_health: bool = False
     ejected: bool = False  # circuit breaker open (or its half-open probe in flight)
     draining: bool = False  # admin drain: no new requests; in-flight ones finish
     # Batch capacity learned from the engine: the most requests it ran while others waited.

@@ -54,10 +54,15 @@ class HealthTracker:
         else:
             endpoint.consecutive_failures += 1
             endpoint.consecutive_successes = 0
-        was = endpoint.healthy
+        was, inherited = endpoint.healthy, endpoint.inherited_health
+        endpoint.inherited_health = False
         if not was and ok and endpoint.consecutive_successes >= self._config.healthy_threshold:
             endpoint.healthy = True
-        elif was and not ok and endpoint.consecutive_failures >= self._config.unhealthy_threshold:
+        elif (
+            was
+            and not ok
+            and (inherited or endpoint.consecutive_failures >= self._config.unhealthy_threshold)
+        ):
             endpoint.healthy = False
         if endpoint in self._registry:  # a removed endpoint's late probe must not recreate its gauge
             self._metrics.endpoint_healthy.labels(endpoint.name).set(1 if endpoint.healthy else 0)
@@ -163,6 +168,8 @@ class HealthChecker:
             return False
 
     def _refresh_due(self, endpoint: Endpoint) -> bool:
+        if endpoint.inherited_health:  # its models too were the departed copy's
+            return True
         return time.monotonic() - self._listed_at.get(endpoint.url, 0.0) >= self._config.models_refresh_s
 
     async def _refresh_models(self, endpoint: Endpoint) -> None:

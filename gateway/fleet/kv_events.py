@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 _DRAIN = 256  # messages decoded per wake-up before yielding to the loop
 _SLICE_S = 0.005  # and at most this long: a batch can hold thousands of blocks (a replay: 10k batches)
 _POLL_MS = 250
-_UNKNOWN_TYPES = 16  # unknown event types counted by name per stream; more count as "other"
 _HEARTBEAT_IVL_MS = 1000  # a ZMTP ping this often on a stream …
 _HEARTBEAT_TIMEOUT_MS = 3000  # … and a peer silent this long after one is gone
 # vLLM's replay ROUTER drops what its send queue (1,000 messages) cannot hold: a hole is asked
@@ -168,7 +167,6 @@ class _Stream:
         self.connected = False
         self.fresh = True
         self._warned = False
-        self.unknown_types: set[str] = set()  # those with their own series
         self._task = asyncio.current_task()
 
     async def run(self) -> bool:
@@ -319,14 +317,6 @@ class _Stream:
             return ts, [], [*errors, f"a batch of data_parallel_rank {rank} on rank {self.rank}'s stream"]
         return ts, events, errors
 
-    def _unknown_label(self, kind: str) -> str:
-        """Its own series for the first few unknown types of a stream (an engine newer than the
-        gateway), "other" past them: a publisher's made-up types would each be a series for ever."""
-        if kind in self.unknown_types or len(self.unknown_types) < _UNKNOWN_TYPES:
-            self.unknown_types.add(kind)
-            return kind
-        return "other"
-
     def _apply(self, seq: int, batch: tuple[float, list[Any], list[str]], *, replayed: bool = False) -> None:
         ts, events, errors = batch
         for error in errors:
@@ -334,7 +324,7 @@ class _Stream:
         known = []
         for event in events:
             if isinstance(event, UnknownEvent):
-                self.metrics.unknown.labels(self.name, self._unknown_label(event.type[:64])).inc()
+                self.metrics.count_unknown(self.name, event.type[:64])
                 self._warn_once(f"unknown event type {event.type[:64]!r}")
             else:
                 known.append(event)

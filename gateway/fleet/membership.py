@@ -122,7 +122,7 @@ class FleetMembership:
                     # Requests still run on it: it was serving a moment ago. Its health and models
                     # come back with it (a replica not yet probed has no learned ranks to count
                     # them on, and serves nothing until its models are read again).
-                    endpoint.healthy = left.healthy
+                    endpoint.healthy = endpoint.inherited_health = left.healthy  # until it is probed
                     endpoint.discovered_models, endpoint.adapters = left.discovered_models, left.adapters
                     if left.rank_targets and not endpoint.rank_targets:
                         carry_targets(left, endpoint)

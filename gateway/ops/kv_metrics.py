@@ -16,8 +16,12 @@ __all__ = ["KVEventMetrics"]
 _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096)
 
 
+_UNKNOWN_TYPES = 16  # unknown event types counted by name per endpoint; more count as "other"
+
+
 class KVEventMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._unknown_types: dict[str, set[str]] = {}  # endpoint → the unknown types it names
         self.applied = Counter(
             "llm_gateway_kv_events_applied",
             "KV events from the engines applied to the exact prefix index",
@@ -122,8 +126,20 @@ class KVEventMetrics:
             child = self._error_children[index] = self.prediction_error.labels(index)
         return child
 
+    def count_unknown(self, endpoint: str, kind: str) -> None:
+        """An event of a type the gateway does not know: by name for an endpoint's first 16 types
+        (an engine newer than the gateway), as "other" past them: a publisher's made-up types
+        would each be a series for ever (per endpoint, not per connection: it reconnects)."""
+        seen = self._unknown_types.setdefault(endpoint, set())
+        if kind not in seen and len(seen) >= _UNKNOWN_TYPES:
+            kind = "other"
+        else:
+            seen.add(kind)
+        self.unknown.labels(endpoint, kind).inc()
+
     def forget(self, endpoint: str) -> None:
         """An endpoint left the fleet: drop its series."""
+        self._unknown_types.pop(endpoint, None)
         for key in [k for k in self._fallback_children if k[0] == endpoint]:
             del self._fallback_children[key]
         for metric in (self.applied, self.decode_errors, self.lag, self.live, self.exact_blocks):

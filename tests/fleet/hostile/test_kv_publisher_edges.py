@@ -401,3 +401,28 @@ async def test_made_up_event_types_are_counted_in_a_bounded_set_of_series(publis
         assert len(samples) == 17  # 16 types by name, then "other"
         assert sum(s.value for s in samples) == 3_000
         assert next(s.value for s in samples if s.labels["type"] == "other") == 3_000 - 16
+
+
+def test_the_bound_on_unknown_type_series_is_per_endpoint_not_per_connection() -> None:
+    """Review (2026-12-05): the first bound lived on a stream's connection, and every reconnect
+    (a publisher gone for ``rediscover_s``) named 16 more."""
+    metrics = KVEventMetrics(CollectorRegistry())
+
+    def series(endpoint: str) -> dict[str, float]:
+        return {
+            s.labels["type"]: s.value
+            for m in metrics.unknown.collect()
+            for s in m.samples
+            if s.name.endswith("_total") and s.labels["endpoint"] == endpoint
+        }
+
+    for connection in range(5):
+        for i in range(20):
+            metrics.count_unknown("e1", f"T{connection}-{i}")
+    metrics.count_unknown("e2", "T0-0")
+    assert len(series("e1")) == 17 and series("e1")["other"] == 100 - 16
+    assert series("e2") == {"T0-0": 1.0}  # another endpoint's own bound
+    metrics.forget("e1")  # it left the fleet: its series and its names go
+    assert series("e1") == {}
+    metrics.count_unknown("e1", "T9-9")
+    assert series("e1") == {"T9-9": 1.0}

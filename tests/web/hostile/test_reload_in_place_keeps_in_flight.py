@@ -169,3 +169,36 @@ async def _until(predicate, what: str) -> None:
         return predicate()
 
     await wait_until(check, 3.0, what)
+
+
+async def test_a_replica_that_went_down_while_away_is_out_at_its_first_failed_probe(
+    start_upstream, start_gateway, http
+):
+    """It comes back with the health of the copy that left (requests still run on it), but that
+    copy was not probed while away: one failed probe takes it out, not ``unhealthy_threshold``
+    of them a health interval apart (review, 2026-12-05: routable for 2+ s without a probe)."""
+    upstream, other = await start_upstream(), await start_upstream()
+    gw = await start_gateway(
+        [upstream.url, other.url],
+        policy="round-robin",
+        health={"interval_s": 5.0, "timeout_s": 0.5, "unhealthy_threshold": 3},
+        scrape={"enabled": False},
+    )
+    state = gw.state
+    upstream.mode = "gated"
+    streams = [asyncio.create_task(_stream(http, gw)) for _ in range(2)]  # one lands on each
+    try:
+        await _until(lambda: _counted(state, upstream.url) == 1, "a stream on the replica")
+        whole = state.config
+        await apply_config(state, whole.model_copy(update={"endpoints": whole.endpoints[1:]}))
+        upstream.healthy = False  # down while away: its /health answers 503
+        await apply_config(state, whole)
+        await _until(
+            lambda: upstream.url not in {e.url for e in state.registry.candidates("tiny")},
+            "the returned replica out of rotation after its first probe",
+        )
+        assert _counted(state, upstream.url) == 1  # its stream still counted
+    finally:
+        upstream.gate.set()
+        other.gate.set()
+        await asyncio.gather(*streams, return_exceptions=True)
