@@ -220,7 +220,7 @@ def _dense(raw_body: bytes) -> bool:
     """A comma every 8 bytes or less in the 4 KB at the body's middle (a hint, not a guard: either
     path refuses the same bodies)."""
     middle = len(raw_body) // 2
-    return raw_body.count(b",", middle - 2048, middle + 2048) * 8 >= min(len(raw_body), 4096)
+    return raw_body.count(b",", max(0, middle - 2048), middle + 2048) * 8 >= min(len(raw_body), 4096)
 
 
 def _long_digits(raw_body: bytes) -> bool:

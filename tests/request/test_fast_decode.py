@@ -166,6 +166,7 @@ def test_bodies_that_made_the_scan_slow_are_refused_before_it(raw: bytes) -> Non
         (b'{"input": [' + b"[]," * 5_000 + b"[]]}", True),
         (json.dumps({"messages": [{"role": "user", "content": "some words, " * 500}]}).encode(), False),
         (b"{}", False),
+        (json.dumps({"prompt": list(range(400))}).encode(), True),  # under 4 KB: all of it counted
     ],
 )
 def test_bodies_dense_in_values_are_told_apart(raw: bytes, dense: bool) -> None:
