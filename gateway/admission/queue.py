@@ -276,7 +276,8 @@ class AdmissionController:
 
     def sent(self, ticket: Ticket) -> None:
         """The request is routed and about to be sent, its load counted on its replica from now
-        (the proxy counts it before it next yields): its model's queue may grant the next.
+        (the proxy counts it before it next yields; with vLLM P/D only after its prefill leg,
+        a gap left open: docs/operations.md): its model's queue may grant the next.
 
         The drain grants one waiter per pass so that the next pass sees its load, but that load
         is counted only at the send, after routing, which may wait on I/O (a Redis prefix index

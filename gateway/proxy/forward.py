@@ -363,9 +363,8 @@ class Proxy:
         await response.prepare(http_request)
         http_request[STREAM_STARTED] = True
         idle_s = attempt.settings.timeouts.idle_s
-        events = event_buffer(
-            request.api
-        )  # only whole events reach the client: a cut never leaves half of one
+        # only whole events reach the client: a cut never leaves half of one
+        events = event_buffer(request.api)
         head = events.complete(first_chunk)  # may be b"" (half an event): headers go out alone
         on_first = partial(self._first_byte, request, endpoint, attempt)
         if upstream.ended_cleanly:  # all of it is here (a short answer): headers, events, end: one write
