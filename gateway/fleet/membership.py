@@ -150,7 +150,7 @@ class FleetMembership:
 
 def _carry_over(previous: Endpoint, endpoint: Endpoint) -> None:
     """Same replica, new settings: what was observed about it stays true."""
-    endpoint.healthy = previous.healthy
+    endpoint.healthy, endpoint.inherited_health = previous.healthy, previous.inherited_health
     endpoint.consecutive_failures = previous.consecutive_failures
     endpoint.consecutive_successes = previous.consecutive_successes
     endpoint.discovered_models = previous.discovered_models

@@ -92,6 +92,7 @@ def pd_preset(config: GatewayConfig) -> tuple[list[PluginSpec], list[ProfileSpec
                 "decider": config.pd.decider,
                 "threshold_tokens": config.pd.threshold_tokens,
                 "fallback_to_decode": config.pd.fallback_to_decode,
+                "protocol": config.pd.protocol,
             },
         ),
     ]

@@ -75,6 +75,7 @@ class PDState:
     leg: PDLeg | None = None  # the leg of the current decode attempt
     failed_prefill: set[Endpoint] = field(default_factory=set)  # prefill endpoints that failed it
     deadline: float = math.inf  # loop time by which the whole request must end: bounds every leg
+    refused: _Refused | None = None  # a prefill replica refused the request: no other leg is tried
 
 
 # A prefill replica's answers that refuse the request itself (a prompt past the context window,
@@ -147,6 +148,8 @@ class PDCoordinator:
             state = request.context.pd = PDState()
         state.leg = None
         state.deadline = deadline
+        if state.refused is not None:  # by the leg of an earlier decode attempt (or SGLang's)
+            return self._after_refusal(request, state.refused, counted=True)
         # Another prefill server before another rank of one that failed (it fails on every rank).
         untried = [e for e in other_servers_first(prefill_ranked) if e not in state.failed_prefill]
         queue, index = untried[: 1 + retries], 0
@@ -162,10 +165,8 @@ class PDCoordinator:
                 self.on_rank_refused(endpoint)
                 continue
             except _Refused as refused:  # no other prefill replica would take it
-                if not self._config.fallback_to_decode:
-                    raise PrefillRefused(refused.status, refused.payload) from None
-                self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
-                return None
+                state.refused = refused
+                return self._after_refusal(request, refused, counted=False)
             if leg is not None:
                 state.leg = leg
                 return leg
@@ -174,6 +175,14 @@ class PDCoordinator:
             raise UpstreamError("prefill failed on every prefill replica", code="prefill_failed")
         self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_failed").inc()
         log.warning("request %s: prefill failed everywhere; serving decode-only", request.request_id)
+        return None
+
+    def _after_refusal(self, request: InferenceRequest, refused: _Refused, *, counted: bool) -> None:
+        """Decode-only (the decode replica answers for itself), or without fallback the refusal."""
+        if not self._config.fallback_to_decode:
+            raise PrefillRefused(refused.status, refused.payload)
+        if not counted:
+            self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
         return None
 
     # -- vLLM NixlConnector -------------------------------------------------------------
@@ -228,8 +237,8 @@ class PDCoordinator:
                     self._metrics.child(self._metrics.pd_prefill_failures, RANK_REFUSED).inc()
                     raise _RankRefused
                 self._metrics.child(self._metrics.pd_prefill_failures, f"http_{response.status}").inc()
-                if response.status in _REFUSALS and self._config.protocol == "vllm":
-                    raise _Refused(response.status, payload)  # (SGLang's decode leg answers for itself)
+                if response.status in _REFUSALS:
+                    raise _Refused(response.status, payload)
                 faulty = response.status >= 500 or response.status in _REPLICA_FAULTS
                 verdict = f"http_{response.status}" if faulty else None  # else the request's
                 return None
@@ -274,7 +283,17 @@ class PDCoordinator:
         prefill_body = json.loads(leg.decode_body)
         prefill_body["stream"] = False
         prefill_body.pop("stream_options", None)
-        payload = await self._post(request, leg.prefill_endpoint, json.dumps(prefill_body).encode(), hooks)
+        try:
+            payload = await self._post(
+                request, leg.prefill_endpoint, json.dumps(prefill_body).encode(), hooks
+            )
+        except _Refused as refused:  # the decode leg waits for KV that will not come: a failed leg,
+            leg.failed = True  # and the next attempt's prepare() answers for the refusal
+            if request.context.pd is not None:
+                request.context.pd.refused = refused
+            if self._config.fallback_to_decode:
+                self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
+            return
         if payload is None:
             leg.failed = True
             if request.context.pd is not None:

@@ -51,6 +51,7 @@ class PDProfileHandler:
         self._decode = decode_profile
         self._prefill = prefill_profile
         self._fallback = fallback_to_decode
+        self.one_token_leg = True  # vLLM's: the leg is capped at one token (refused under thinking)
 
     def profiles_used(self) -> tuple[str, ...]:
         return (self._decode, self._prefill)
@@ -72,7 +73,7 @@ class PDProfileHandler:
     def _decide(self, request: InferenceRequest, decode_ranked: list[ScoredEndpoint]) -> tuple[bool, str]:
         if request.api not in _GENERATING:
             return False, "api_not_disaggregated"
-        if request.api is ApiKind.MESSAGES and _thinks(request.body):  # a 1-token leg is refused
+        if self.one_token_leg and request.api is ApiKind.MESSAGES and _thinks(request.body):
             return False, "thinking_budget"
         if self._decider == "always":
             return True, "always"
@@ -114,5 +115,8 @@ def create(name: str, parameters: Mapping[str, Any], context: PluginContext) -> 
     decode = params.optional_string("decode_profile") or "decode"
     prefill = params.optional_string("prefill_profile") or "prefill"
     fallback = params.boolean("fallback_to_decode", True)
+    protocol = params.choice("protocol", "vllm", ("vllm", "sglang"))
     params.done()
-    return PDProfileHandler(name, context.prefix, decider, threshold, decode, prefill, fallback)
+    handler = PDProfileHandler(name, context.prefix, decider, threshold, decode, prefill, fallback)
+    handler.one_token_leg = protocol == "vllm"  # SGLang's prefill leg is the client's whole request
+    return handler

@@ -131,10 +131,14 @@ async def test_sglang_prefill_refusal_falls_back_at_once(start_upstream, start_g
         assert resp.status == 200, await resp.text()
 
 
-async def test_messages_with_extended_thinking_are_not_disaggregated(start_upstream, start_gateway, http):
-    """vLLM refuses a one-token leg under a thinking budget (``budget_tokens`` < ``max_tokens``)."""
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+async def test_messages_with_extended_thinking(protocol, start_upstream, start_gateway, http):
+    """vLLM refuses a one-token leg under a thinking budget (``budget_tokens`` < ``max_tokens``): not
+    disaggregated. SGLang's leg is the client's whole request: disaggregated as any other."""
     prefill, decode = await start_upstream(), await start_upstream()
-    gw = await start_gateway(_fleet([prefill], decode), pd={"protocol": "vllm"}, scrape={"enabled": False})
+    fleet = _fleet([prefill], decode, protocol)
+    fleet[0]["bootstrap_port"] = 9
+    gw = await start_gateway(fleet, pd={"protocol": protocol}, scrape={"enabled": False})
     body = {
         "model": "tiny",
         "max_tokens": 4096,
@@ -143,4 +147,60 @@ async def test_messages_with_extended_thinking_are_not_disaggregated(start_upstr
     }
     async with http.post(gw.url + "/v1/messages", json=body) as resp:
         assert resp.status == 200, await resp.text()
-    assert prefill.requests == [] and decode.requests[-1].json["thinking"] == body["thinking"]
+    assert len(prefill.requests) == (1 if protocol == "sglang" else 0)
+    assert decode.requests[-1].json["thinking"] == body["thinking"]
+
+
+class _SGLangDecode:
+    """Makes a fake decode replica wait for the KV of a bootstrap room, as SGLang's does."""
+
+    @staticmethod
+    def install(decode) -> None:
+        plain = decode._inference
+
+        async def inference(request):
+            if b"bootstrap_room" in await request.read():
+                await asyncio.Event().wait()  # the KV never comes: the prefill was refused
+            return await plain(request)
+
+        for route in decode._runner.app.router.routes():
+            if route.method == "POST":
+                route._handler = inference
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_an_sglang_refusal_is_not_sent_to_another_prefill_replica(
+    fallback, start_upstream, start_gateway, http
+):
+    first, second, decode = await start_upstream(), await start_upstream(), await start_upstream()
+    _refusing(first, second)
+    _SGLangDecode.install(decode)
+    fleet = _fleet([first, second], decode, "sglang")
+    for entry in fleet[:2]:
+        entry["bootstrap_port"] = 9
+    pd = {"protocol": "sglang", "fallback_to_decode": fallback}
+    gw = await start_gateway(fleet, pd=pd, scrape={"enabled": False}, timeouts={"total_s": 8})
+    body = chat_body(messages=[{"role": "user", "content": _long("c")}])
+    async with asyncio.timeout(5), http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+        answer = await resp.json()
+        assert resp.status == (200 if fallback else 400), answer
+    assert len(first.requests) + len(second.requests) == 1
+    if not fallback:
+        assert answer["error"]["code"] == "prefill_refused"
+
+
+async def test_a_refusal_is_remembered_across_decode_attempts(start_upstream, start_gateway, http):
+    """The first decode replica fails (503): the next decode attempt does not ask a prefill replica
+    again what one already refused."""
+    first, second = await start_upstream(), await start_upstream()
+    busy, free = await start_upstream(), await start_upstream()
+    _refusing(first, second)
+    busy.mode, busy.status, busy.body = "status", 503, b'{"error": {"message": "busy"}}'
+    fleet = [*_fleet([first, second], busy)[:2], *_fleet([], busy), *_fleet([], free)]
+    gw = await start_gateway(fleet, pd={"protocol": "vllm"}, scrape={"enabled": False})
+    for i in range(4):  # whichever decode replica is ranked first; a new prompt each: never cached
+        body = chat_body(messages=[{"role": "user", "content": _long(f"c{i}x")}])
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+    assert len(busy.requests) >= 1  # a decode attempt failed, and another followed
+    assert len(first.requests) + len(second.requests) == 4  # one leg per request, never per attempt

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.config import EndpointConfig
+from prometheus_client import CollectorRegistry
+
+from gateway.config import EndpointConfig, HealthConfig
+from gateway.fleet.health import HealthTracker
+from gateway.fleet.membership import FleetMembership
+from gateway.fleet.registry import EndpointRegistry
 from gateway.http.reload import apply_config
+from gateway.ops.metrics import GatewayMetrics
 from tests.support.harness import chat_body, debug_endpoints, wait_until
 
 
@@ -202,3 +208,25 @@ async def test_a_replica_that_went_down_while_away_is_out_at_its_first_failed_pr
         upstream.gate.set()
         other.gate.set()
         await asyncio.gather(*streams, return_exceptions=True)
+
+
+def test_inherited_health_survives_an_in_place_replacement() -> None:
+    """Replaced in place (a label, a key) before its first probe: the successor's health is still
+    the departed copy's word, and one failed probe takes it out (review, 2026-12-05)."""
+    registry = EndpointRegistry()
+    membership = FleetMembership(registry)
+    tracker = HealthTracker(
+        registry, HealthConfig(unhealthy_threshold=2), GatewayMetrics(CollectorRegistry())
+    )
+    url = "http://127.0.0.1:9"
+    membership.apply("dns", [EndpointConfig(url=url, models=["m"])])
+    first = registry.get(url)
+    first.healthy, first.in_flight = True, 1  # a stream still runs on it
+    membership.apply("dns", [])  # a DNS round without it
+    membership.apply("dns", [EndpointConfig(url=url, models=["m"])])
+    assert registry.get(url).inherited_health
+    membership.apply("dns", [EndpointConfig(url=url, models=["m"], labels={"zone": "b"})])
+    successor = registry.get(url)
+    assert successor.healthy and successor.inherited_health and successor.in_flight == 1
+    tracker.record(successor, False)
+    assert not successor.healthy
