@@ -36,6 +36,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamTimeout",
     "bounded",
+    "engine_error_message",
     "error_body",
     "error_format",
     "error_response",
@@ -246,3 +247,19 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
+
+
+def engine_error_message(body: bytes) -> str | None:
+    """The message of an engine's error answer: OpenAI's ``{"error": {"message": …}}``, or
+    vLLM's older ``{"object": "error", "message": …}``; None for any other body."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(answer, dict):
+        return None
+    error = answer.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str):
+        message = answer.get("message")
+    return message if isinstance(message, str) else None

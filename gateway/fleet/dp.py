@@ -21,11 +21,11 @@ before, with no header.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Sequence
 
+from gateway.errors import engine_error_message
 from gateway.fleet.endpoint import Endpoint, EngineKind
 from gateway.fleet.scraper import ScrapedPage
 
@@ -137,15 +137,8 @@ def rank_out_of_range(body: bytes, rank: int) -> bool:
     400s quote the client's own input back, and a client must not be able to word one."""
     if len(body) > _MAX_REFUSAL_BYTES or b"data_parallel_rank" not in body:
         return False
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        return False
-    error = answer.get("error") if isinstance(answer, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    if not isinstance(message, str) and isinstance(answer, dict):
-        message = answer.get("message")  # vLLM's older envelope: {"object": "error", "message": ...}
-    found = _RANK_REFUSAL.fullmatch(message) if isinstance(message, str) else None
+    message = engine_error_message(body)
+    found = _RANK_REFUSAL.fullmatch(message) if message is not None else None
     return found is not None and int(found[1]) == rank and int(found[2]) <= rank
 
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.config import PDConfig
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, UpstreamError, engine_error_message
 from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
@@ -95,20 +95,10 @@ class PrefillRefused(GatewayError):
     code = "prefill_refused"
 
     def __init__(self, status: int, payload: bytes) -> None:
-        super().__init__(_engine_message(payload) or f"the prefill replica refused the request ({status})")
+        super().__init__(
+            engine_error_message(payload) or f"the prefill replica refused the request ({status})"
+        )
         self.status = status
-
-
-def _engine_message(payload: bytes) -> str | None:
-    """The message of an engine's error body: OpenAI's ``{"error": {"message"}}`` or vLLM's older
-    ``{"message"}``."""
-    try:
-        body = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    message = (error if isinstance(error, dict) else body if isinstance(body, dict) else {}).get("message")
-    return message if isinstance(message, str) and message else None
 
 
 class _RankRefused(Exception):
@@ -149,7 +139,7 @@ class PDCoordinator:
         state.leg = None
         state.deadline = deadline
         if state.refused is not None:  # by the leg of an earlier decode attempt (or SGLang's)
-            return self._after_refusal(request, state.refused, counted=True)
+            return self._after_refusal(state.refused)
         # Another prefill server before another rank of one that failed (it fails on every rank).
         untried = [e for e in other_servers_first(prefill_ranked) if e not in state.failed_prefill]
         queue, index = untried[: 1 + retries], 0
@@ -165,8 +155,8 @@ class PDCoordinator:
                 self.on_rank_refused(endpoint)
                 continue
             except _Refused as refused:  # no other prefill replica would take it
-                state.refused = refused
-                return self._after_refusal(request, refused, counted=False)
+                self._note_refusal(state, refused)
+                return self._after_refusal(refused)
             if leg is not None:
                 state.leg = leg
                 return leg
@@ -177,13 +167,16 @@ class PDCoordinator:
         log.warning("request %s: prefill failed everywhere; serving decode-only", request.request_id)
         return None
 
-    def _after_refusal(self, request: InferenceRequest, refused: _Refused, *, counted: bool) -> None:
+    def _note_refusal(self, state: PDState, refused: _Refused) -> None:
+        """No other prefill leg for this request, on any decode attempt; counted once."""
+        state.refused = refused
+        if self._config.fallback_to_decode:
+            self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
+
+    def _after_refusal(self, refused: _Refused) -> None:
         """Decode-only (the decode replica answers for itself), or without fallback the refusal."""
         if not self._config.fallback_to_decode:
             raise PrefillRefused(refused.status, refused.payload)
-        if not counted:
-            self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
-        return None
 
     # -- vLLM NixlConnector -------------------------------------------------------------
     def _vllm_prefill_body(self, request: InferenceRequest) -> bytes:
@@ -290,9 +283,7 @@ class PDCoordinator:
         except _Refused as refused:  # the decode leg waits for KV that will not come: a failed leg,
             leg.failed = True  # and the next attempt's prepare() answers for the refusal
             if request.context.pd is not None:
-                request.context.pd.refused = refused
-            if self._config.fallback_to_decode:
-                self._metrics.child(self._metrics.pd_decisions, "decode_only", "prefill_refused").inc()
+                self._note_refusal(request.context.pd, refused)
             return
         if payload is None:
             leg.failed = True

@@ -19,6 +19,7 @@ __all__ = [
     "aborted",
     "ends_event",
     "error_event",
+    "events_end",
     "extract_usage",
     "read_past_role_chunk",
 ]
@@ -71,6 +72,15 @@ def ends_event(data: bytes) -> bool:
     return data.endswith((b"\n\n", b"\n\r\n"))  # LF, CRLF (\r\n\r\n) or mixed framing
 
 
+def events_end(data: bytes | bytearray, start: int = 0) -> int:
+    """Where the last event completed in ``data[start:]`` ends (its blank line's end), or 0 when
+    none is: ``\\n\\n``, or ``\\n\\r\\n`` (CRLF framing's ``\\r\\n\\r\\n``, and a line's LF then a
+    blank line's CRLF)."""
+    lf = data.rfind(b"\n\n", start)
+    mixed = data.rfind(b"\n\r\n", start)
+    return max(lf + 2 if lf != -1 else 0, mixed + 3 if mixed != -1 else 0)
+
+
 class SSEEventBuffer:
     """Cuts a byte stream at event boundaries: what :meth:`complete` returns ends with a blank
     line, the rest waits for the next chunk. An upstream that dies mid-event then never puts
@@ -88,11 +98,7 @@ class SSEEventBuffer:
             self._tail = b""
         if ends_event(chunk):  # the common case: engines write whole events
             return chunk
-        cut = chunk.rfind(b"\n\n")
-        cut = cut + 2 if cut != -1 else 0
-        crlf = chunk.rfind(b"\n\r\n")  # \r\n\r\n, and a line's \n then a blank line's \r\n
-        if crlf != -1:
-            cut = max(cut, crlf + 3)
+        cut = events_end(chunk)
         if len(chunk) - cut > _MAX_PARTIAL_EVENT:
             return chunk
         self._tail = chunk[cut:]
@@ -157,7 +163,7 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
     else:
         return chunk
     held = bytearray(chunk)
-    checked = _events_end(held, 0)  # the events before this are opening ones
+    checked = events_end(held)  # the events before this are opening ones
     while len(held) < limit:
         more = await upstream.readany()
         if not more:
@@ -177,21 +183,12 @@ async def read_past_role_chunk(request: InferenceRequest, upstream: UpstreamResp
             continue
         # Only the events completed by this read: re-checking all that is held per read made a
         # replica trickling pings cost time quadratic in their number, for up to first_byte_s.
-        end = _events_end(held, max(checked, start - 2))
+        end = events_end(held, max(checked, start - 2))
         if end > checked:
             if not opening(bytes(held[checked:end])):
                 break
             checked = end
     return bytes(held)
-
-
-def _events_end(buffer: bytearray, start: int) -> int:
-    """Where the last event completed in ``buffer[start:]`` ends (its blank line's end), or 0
-    when none is: the boundaries the opening check reads, ``\\n\\n`` once any ``\\r\\n`` is
-    read as ``\\n``."""
-    lf = buffer.rfind(b"\n\n", start)
-    mixed = buffer.rfind(b"\n\r\n", start)  # \r\n\r\n and \n\r\n
-    return max(lf + 2 if lf != -1 else 0, mixed + 3 if mixed != -1 else 0)
 
 
 # Typed-event streams: the events that open a stream before the engine has produced anything,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.proxy.sse import SSEEventBuffer
+from gateway.proxy.sse import SSEEventBuffer, events_end
 from gateway.request.types import ApiKind
 
 __all__ = ["FINAL_EVENTS", "TypedEventBuffer", "event_buffer", "stream_end"]
@@ -81,7 +81,7 @@ class TypedEventBuffer(SSEEventBuffer):
                     return
         whole = self._current_whole
         view = (self._current if whole else self._edge) + data
-        end = _boundary_end(view)
+        end = events_end(view)
         if end:
             # the events completed by this read, the last first; only the first may have
             # started in an earlier read (its start is then _current)
@@ -101,13 +101,6 @@ class TypedEventBuffer(SSEEventBuffer):
         if whole:  # an event longer than what is kept of it: its head, and the edge to cut at
             self._current, self._current_whole = view[:_HEAD], False
         self._edge = view[-2:]
-
-
-def _boundary_end(view: bytes) -> int:
-    """Where the last blank line in ``view`` ends (0: none), in LF, CRLF or mixed framing."""
-    lf = view.rfind(b"\n\n")
-    mixed = view.rfind(b"\n\r\n")
-    return max(lf + 2 if lf != -1 else 0, mixed + 3 if mixed != -1 else 0)
 
 
 def _api_event(event: bytes, *, whole: bool) -> str | bytes | None:
