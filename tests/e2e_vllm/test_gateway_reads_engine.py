@@ -67,14 +67,18 @@ async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway
 
     The load goes straight to the replica so only the scraper can tell the gateway about it.
     On this shared 2-core machine a decoding engine starves everyone else (its /metrics can
-    take ~2 s), hence a patient scraper and load kept up until the gateway has seen it.
+    take ~2 s; on a loaded CI host both replicas' /health went past 2 s and the gateway took
+    them out, and 30 s did not see the load), hence a patient scraper and probe, load kept up
+    until the gateway has seen it, and what it saw last in the failure.
     """
     scrape = {"interval_s": 0.2, "timeout_s": 8.0}  # a decoding CPU engine's /metrics can be slow
-    gw = await start_gateway(fleet.urls, policy="prefix-aware", scrape=scrape)
+    health = {"interval_s": 1.0, "timeout_s": 10.0}
+    gw = await start_gateway(fleet.urls, policy="prefix-aware", scrape=scrape, health=health)
     busy_url, idle_url = fleet.urls
     stop = asyncio.Event()
     load = [asyncio.create_task(_keep_busy(busy_url, stop, delay_s)) for delay_s in (0.0, 1.0)]
     busy_name, idle_name = (url.split("://")[1] for url in fleet.urls)
+    last_seen: dict[str, object] = {}  # for the failure message
     try:
 
         async def seen_busy() -> bool:
@@ -87,6 +91,7 @@ async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway
             text = await gateway_metrics(http, gw)
             running = metric_value(text, "llm_gateway_endpoint_running_requests", endpoint=busy_name)
             kv_usage = metric_value(text, "llm_gateway_endpoint_kv_cache_utilization", endpoint=busy_name)
+            last_seen.update(row=rows[busy_url], running_gauge=running, kv_gauge=kv_usage)
             return (
                 rows[busy_url]["running"] >= 1
                 and rows[busy_url]["kv_usage"] > 0
@@ -94,7 +99,10 @@ async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway
                 and (kv_usage or 0) > 0
             )
 
-        await wait_until(seen_busy, 30.0, "the gateway to scrape and export running>=1 and kv_usage>0")
+        try:
+            await wait_until(seen_busy, 90.0, "the gateway to scrape and export running>=1 and kv_usage>0")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen: {last_seen}") from None
         rows = await debug_endpoints(http, gw)
         assert rows[idle_url]["running"] == 0 and rows[idle_url]["kv_usage"] == 0
         text = await gateway_metrics(http, gw)
@@ -107,7 +115,7 @@ async def test_gateway_sees_engine_load_and_kv_usage(fleet: Fleet, start_gateway
         row = (await debug_endpoints(http, gw))[busy_url]
         return row["running"] == 0 and row["kv_usage"] == 0
 
-    await wait_until(drained, 8.0, "the scraped running count and KV usage to return to 0")
+    await wait_until(drained, 30.0, "the scraped running count and KV usage to return to 0")
 
 
 async def test_gateway_counts_the_cached_tokens_vllm_reports(fleet: Fleet, start_gateway, http) -> None:
