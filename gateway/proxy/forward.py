@@ -442,7 +442,7 @@ class Proxy:
     def _report_usage(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, tail: bytes
     ) -> None:
-        usage = extract_usage(tail)
+        usage = extract_usage(tail, request.api)
         if usage is not None:
             request.context.usage = usage
             attempt.hooks.on_usage(request, endpoint, usage)

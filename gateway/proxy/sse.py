@@ -26,42 +26,79 @@ __all__ = [
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-# A count is at most 15 digits (exact as a float): a longer number is not a token count, and
-# 10**400 from a broken replica raised OverflowError in the usage bookkeeping, failing its answer.
-_COUNT = rb"\s*:\s*(\d{1,15})(?!\d)"
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"' + _COUNT)
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"' + _COUNT)
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"' + _COUNT)
-_INPUT_TOKENS = re.compile(rb'"input_tokens"' + _COUNT)
-_OUTPUT_TOKENS = re.compile(rb'"output_tokens"' + _COUNT)
-_CACHE_READ_TOKENS = re.compile(rb'"cache_read_input_tokens"' + _COUNT)
 _MAX_HELD_BYTES = 16384
+_USAGE_OPENING = re.compile(rb"\s*:\s*\{")  # after a "usage" key: its object
+_MAX_COUNT = 10**15  # a longer number is no token count (10**400 from a broken replica overflowed)
+_PLAIN_JSON = json.JSONDecoder()
+
+# Per API: its usage object's prompt, completion and cached-token counts (the last one a path).
+_OPENAI_NAMES = ("prompt_tokens", "completion_tokens", ("prompt_tokens_details", "cached_tokens"))
+_RESPONSES_NAMES = ("input_tokens", "output_tokens", ("input_tokens_details", "cached_tokens"))
+_MESSAGES_NAMES = ("input_tokens", "output_tokens", ("cache_read_input_tokens",))
+# Anthropic's input_tokens leave out what was read from or written to the cache: the prompt is all three.
+_MESSAGES_CACHE = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
-def extract_usage(payload: bytes) -> Usage | None:
-    """The last ``usage`` counts in the tail of a response, found by regex (no full parse).
+def _count(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT:
+        return value
+    return None
 
-    OpenAI chat/completions name them ``prompt_tokens``/``completion_tokens``; the Responses
-    and Anthropic Messages APIs ``input_tokens``/``output_tokens`` (Anthropic's cache hits:
-    ``cache_read_input_tokens``)."""
-    prompt = _PROMPT_TOKENS.findall(payload)
-    if not prompt:
-        prompt = _INPUT_TOKENS.findall(payload)
-        if not prompt:
+
+def _last_usage_object(payload: bytes) -> dict[str, object] | None:
+    """The object of the last ``"usage"`` key in ``payload``: the engine's own, which every
+    API writes after the answer's content. Only that one is read: content the client
+    steers (a tool call's input, an echoed JSON schema) comes before it and may hold
+    keys named like usage counts, or a ``"usage"`` of its own."""
+    at = payload.rfind(b'"usage"')
+    opening = _USAGE_OPENING.match(payload, at + 7) if at != -1 else None
+    if opening is None:
+        return None
+    try:
+        usage, _ = _PLAIN_JSON.raw_decode(payload[opening.end() - 1 :].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def extract_usage(payload: bytes, api: ApiKind) -> Usage | None:
+    """The engine's token counts from the tail of an answer (its last ``usage`` object).
+
+    OpenAI chat, completions, embeddings and the pooling APIs name them ``prompt_tokens`` /
+    ``completion_tokens``; the Responses API ``input_tokens`` / ``output_tokens``, and so do
+    Anthropic Messages (whose ``input_tokens`` leave out ``cache_read_input_tokens`` and
+    ``cache_creation_input_tokens``: the prompt is the sum). Anthropic's count_tokens
+    answer is ``{"input_tokens": N}`` itself. A count of the wrong name, type or size is no
+    count: the request then keeps its up-front charge."""
+    if api is ApiKind.COUNT_TOKENS:
+        try:
+            answer = json.loads(payload)
+        except ValueError:
             return None
-        completion = _OUTPUT_TOKENS.findall(payload)
-        cached = _CACHED_TOKENS.findall(payload) or _CACHE_READ_TOKENS.findall(payload)
-        return Usage(
-            prompt_tokens=int(prompt[-1]),
-            completion_tokens=int(completion[-1]) if completion else 0,
-            cached_tokens=int(cached[-1]) if cached else 0,
-        )
-    cached = _CACHED_TOKENS.findall(payload)
-    completion = _COMPLETION_TOKENS.findall(payload)
+        prompt = _count(answer.get("input_tokens")) if isinstance(answer, dict) else None
+        return None if prompt is None else Usage(prompt_tokens=prompt, completion_tokens=0)
+    usage = _last_usage_object(payload)
+    if usage is None:
+        return None
+    names = (
+        _RESPONSES_NAMES
+        if api is ApiKind.RESPONSES
+        else _MESSAGES_NAMES
+        if api is ApiKind.MESSAGES
+        else _OPENAI_NAMES
+    )
+    prompt = _count(usage.get(names[0]))
+    if prompt is None:
+        return None
+    cached: object = usage
+    for key in names[2]:
+        cached = cached.get(key) if isinstance(cached, dict) else None
+    if api is ApiKind.MESSAGES:
+        prompt += sum(_count(usage.get(key)) or 0 for key in _MESSAGES_CACHE)
     return Usage(
-        prompt_tokens=int(prompt[-1]),
-        completion_tokens=int(completion[-1]) if completion else 0,
-        cached_tokens=int(cached[-1]) if cached else 0,
+        prompt_tokens=prompt,
+        completion_tokens=_count(usage.get(names[1])) or 0,
+        cached_tokens=_count(cached) or 0,
     )
 
 
