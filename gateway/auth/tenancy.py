@@ -32,6 +32,7 @@ from gateway.auth.keyfile import FileKeyStore
 from gateway.config import AuthConfig, ConfigError
 from gateway.errors import AuthUnavailable, Forbidden, Unauthorized, quoted
 from gateway.ops.metrics import GatewayMetrics
+from gateway.request.parse import session_key
 from gateway.request.types import InferenceRequest, Priority
 
 __all__ = ["TenantAuth", "TenantRateLimited"]
@@ -110,6 +111,10 @@ class TenantAuth:
             self._metrics.auth_failures.labels("model_not_allowed").inc()
             raise Forbidden(f"this key may not use model {quoted(request.model)}", param="model")
         request.tenant = tenant.name
+        if request.session_id is not None:
+            # A tenant's sessions are its own: the same id from another tenant (a `user` field,
+            # a conversation counter) must neither follow nor move this tenant's pin.
+            request.session_id = session_key(f"{tenant.name}\0{request.session_id}")
         if not priority_given or Priority(request.priority).rank < Priority(tenant.priority).rank:
             request.priority = tenant.priority  # a header may lower the tenant's priority, never raise it
         if not tenant.debug:
@@ -135,13 +140,17 @@ class TenantAuth:
             )
         return decision, charged
 
-    def settle_later(self, tenant: Tenant, charged: int, request: InferenceRequest, failed: bool) -> None:
+    def settle_later(
+        self, tenant: Tenant, charged: int, request: InferenceRequest, failed: bool, abandoned: bool = False
+    ) -> None:
         """Correct the token bucket with the real usage, off the response path.
 
         The engine's usage when it sent one; else, when tokens were streamed (the client
         left early, the stream broke), what was streamed — a disconnect must not refund
-        work the engine did; else a failed request is refunded in full (no engine did work
-        for it) and a successful one keeps its up-front charge.
+        work the engine did; else, when the client left (``abandoned``) after the request
+        was sent to a replica, its prompt (the replica took it in: a client that gave up on
+        every answer was refunded all of it); else a failed request is refunded in full (no
+        engine did work for it) and a successful one keeps its up-front charge.
         """
         context = request.context
         usage = context.usage
@@ -151,6 +160,8 @@ class TenantAuth:
             actual = usage.prompt_tokens + usage.completion_tokens
         elif context.streamed_chunks:
             actual = request.est_prompt_tokens + context.streamed_chunks
+        elif abandoned and context.endpoint is not None:
+            actual = request.est_prompt_tokens
         elif failed:
             actual = 0
         else:
@@ -166,8 +177,17 @@ class TenantAuth:
 
 
 def _max_tokens(request: InferenceRequest) -> int:
+    """The completion tokens the request may ask for: its limit (256 if none) times its choices
+    (``n``, completions' ``best_of``: each is generated in full)."""
+    limit = _DEFAULT_MAX_TOKENS
     for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):  # the last: Responses
         value = request.body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return _DEFAULT_MAX_TOKENS
+            limit = value
+            break
+    choices = 1
+    for field in ("n", "best_of"):
+        value = request.body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > choices:
+            choices = value
+    return limit * choices
