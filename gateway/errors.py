@@ -122,11 +122,12 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.retry_after = retry_after
+        self.extra_headers: dict[str, str] = {}  # set by a later stage: the tenant's x-ratelimit-*
 
     def to_response(
         self, headers: dict[str, str] | None = None, *, fmt: ErrorFormat = ErrorFormat.OPENAI
     ) -> web.Response:
-        extra = dict(headers or {})
+        extra = {**self.extra_headers, **(headers or {})}
         if self.retry_after is not None:  # whole seconds, at least 1, at most a day (never inf/NaN)
             seconds = self.retry_after if math.isfinite(self.retry_after) else _MAX_RETRY_AFTER_S
             extra["Retry-After"] = str(min(_MAX_RETRY_AFTER_S, max(1, round(seconds))))

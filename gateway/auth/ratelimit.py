@@ -110,6 +110,13 @@ def settle_delta(tenant: Tenant, charged_tokens: int, actual_tokens: int) -> flo
     return float(max(actual_tokens, 0) - charged)
 
 
+def settled_level(level: float, delta: float, capacity: int) -> float:
+    """The token level after settling: usage past the charge is a debt the next requests wait
+    out, down to one minute's worth (clamped at 0, a request that used more than it was
+    charged, e.g. without ``max_tokens``, was forgiven: 3x the limit went through)."""
+    return min(float(capacity), max(-float(capacity), level - delta))
+
+
 def refill(level: float, capacity: int, elapsed_s: float) -> float:
     return min(float(capacity), level + max(elapsed_s, 0.0) * capacity / 60.0)
 
@@ -199,7 +206,7 @@ class MemoryRateLimiter:
             return
         now = self._clock()
         requests, available = self._levels(tenant, now)
-        available = min(float(tenant.tokens_per_minute), max(0.0, available - delta))
+        available = settled_level(available, delta, tenant.tokens_per_minute)
         self._store(tenant, requests, available, now)
 
     def mirror(self, tenant: Tenant, requests: float, tokens: float) -> None:

@@ -53,7 +53,7 @@ r = math.min(rcap, r + elapsed * rcap / 60)
 t = math.min(tcap, t + elapsed * tcap / 60)
 local allowed = 1
 if ARGV[5] == 'settle' then
-  t = math.max(0, math.min(tcap, t - tcost))
+  t = math.max(-tcap, math.min(tcap, t - tcost))  -- ratelimit.settled_level: a debt, a minute's at most
 elseif r >= rcost and t >= tcost then
   r = r - rcost
   t = t - tcost

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import ModelNotFound, NoHealthyEndpoint, quoted
+from gateway.errors import GatewayError, ModelNotFound, NoHealthyEndpoint, quoted
 from gateway.fleet.endpoint import Endpoint
 from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
@@ -56,6 +57,7 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
         )
         http_request[INFERENCE_REQUEST] = request
         limit_headers: dict[str, str] = {}
+        rate_headers: dict[str, str] = {}
         charged = 0
         if tenant is not None:
             auth.authorize(tenant, request, state.parse_options.priority_header in http_request.headers)
@@ -65,8 +67,9 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
                 http_request.headers, request.priority, slo_options, arrived, tenant.slo_objectives
             )
             decision, charged = await auth.limit(tenant, request)
-            limit_headers = decision.headers()
-        failed = True
+            rate_headers = decision.headers()
+            limit_headers = dict(rate_headers)
+        failed, abandoned = True, False
         try:  # from here every way out settles the charge (a chain's 404/409 too: refunded)
             aliases = state.aliases
             stored: Endpoint | None = None
@@ -78,9 +81,15 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
             response = await _route(state, http_request, request, limit_headers, stored)
             failed = response.status >= 400
             return response
+        except GatewayError as exc:  # every answer carries the tenant's x-ratelimit-* headers
+            exc.extra_headers.update(rate_headers)
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            abandoned = True  # the client left: what a replica did for it is not refunded
+            raise
         finally:
             if tenant is not None:
-                auth.settle_later(tenant, charged, request, failed)
+                auth.settle_later(tenant, charged, request, failed, abandoned)
 
     return handle
 

@@ -1,0 +1,97 @@
+"""A tenant pays for what its requests cost the engines (review findings, each failing before).
+
+- usage past the up-front charge is a debt the next requests wait out (it was forgiven at 0:
+  requests without ``max_tokens`` that used 6,000 tokens each passed 3x a 6,000/min limit);
+- ``n`` and ``best_of`` multiply the completion estimate (each choice is generated);
+- a client that gives up on an answer it was waiting for pays for the prompt the replica took;
+- every answer after the limit check carries the tenant's ``x-ratelimit-*`` headers (a 404 for an
+  unknown model did not, though its request was counted).
+Real gateway, real replica, memory and Redis buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.auth.test_hostile_limits_accounting import limited_gateway, prefix
+from tests.support.harness import chat_body
+
+__all__ = ["prefix"]  # the fixture, used here
+
+AUTH = {"authorization": "Bearer sk-t"}
+
+
+def _chat_answer(prompt_tokens: int, completion_tokens: int) -> bytes:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    return json.dumps({"id": "c1", "object": "chat.completion", "choices": [], "usage": usage}).encode()
+
+
+async def _post(
+    http: aiohttp.ClientSession, gw, path: str = "/v1/chat/completions", **body
+) -> aiohttp.ClientResponse:
+    async with http.post(gw.url + path, json=body or chat_body(max_tokens=5), headers=AUTH) as resp:
+        await resp.read()
+        return resp
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_usage_past_the_charge_is_a_debt(
+    start_upstream, start_gateway, http, tmp_path, prefix, backend
+):
+    upstream = await start_upstream()
+    upstream.mode, upstream.status = "status", 200
+    upstream.body, upstream.content_type = _chat_answer(10, 1190), "application/json"  # 2x the limit
+    gw = await limited_gateway(start_gateway, upstream, tmp_path, prefix, backend, tokens_per_minute=600)
+    assert (await _post(http, gw)).status == 200  # charged ~10 up front, used 1,200
+    await asyncio.sleep(1.5)  # 15 tokens refilled: enough for the next charge, had the debt been forgiven
+    resp = await _post(http, gw)
+    assert resp.status == 429  # old: 200
+    assert int(resp.headers["Retry-After"]) >= 30  # ~a minute's debt to wait out
+    assert resp.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_n_multiplies_the_completion_estimate(start_upstream, start_gateway, http, tmp_path, prefix):
+    upstream = await start_upstream()
+    gw = await limited_gateway(start_gateway, upstream, tmp_path, prefix, "memory", tokens_per_minute=1000)
+    resp = await _post(http, gw, **chat_body(max_tokens=200, n=4))
+    assert resp.status == 200
+    assert int(resp.headers["x-ratelimit-remaining-tokens"]) < 200  # 4 x 200 charged; old: ~790
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_client_that_gives_up_pays_for_the_prompt(
+    start_upstream, start_gateway, http, tmp_path, prefix, backend
+):
+    upstream = await start_upstream()
+    upstream.mode = "hold"  # the replica takes the request and answers nothing
+    gw = await limited_gateway(start_gateway, upstream, tmp_path, prefix, backend, tokens_per_minute=10_000)
+    # ~2,500 tokens estimated (10,000 characters), 10 of completion
+    body = {**chat_body(max_tokens=10), "messages": [{"role": "user", "content": "word " * 2000}]}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as impatient:
+        with pytest.raises(TimeoutError):
+            await impatient.post(gw.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert len(upstream.requests) == 1
+    await asyncio.sleep(0.5)  # the gateway sees the client go, and settles off the response path
+    upstream.mode = "ok"
+    remaining = int(
+        (await _post(http, gw, **chat_body(max_tokens=1))).headers["x-ratelimit-remaining-tokens"]
+    )
+    assert remaining < 8_000, remaining  # old: ~9,990 (the whole charge refunded)
+    assert remaining > 6_000, remaining  # the prompt, not the 10 completion tokens nor more
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_errors_after_the_limit_carry_the_ratelimit_headers(
+    start_upstream, start_gateway, http, tmp_path, prefix, path
+):
+    upstream = await start_upstream()
+    gw = await limited_gateway(start_gateway, upstream, tmp_path, prefix, "memory", requests_per_minute=100)
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    resp = await _post(http, gw, path, **body)
+    assert resp.status == 404
+    assert resp.headers.get("x-ratelimit-remaining-requests") == "99"  # old: absent
+    assert resp.headers.get("x-ratelimit-limit-requests") == "100"
