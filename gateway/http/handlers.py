@@ -9,13 +9,18 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import GatewayError, ModelNotFound, NoHealthyEndpoint, quoted
+from gateway.errors import EndpointUnavailable, GatewayError, ModelNotFound, NoHealthyEndpoint, quoted
 from gateway.fleet.endpoint import Endpoint
 from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
 from gateway.http.middleware import REQUEST_ID
 from gateway.http.openapi import serve_openapi
-from gateway.http.responses import add_response_routes, check_continues, stored_replica
+from gateway.http.responses import (
+    add_response_routes,
+    check_continues,
+    replica_did_not_answer,
+    stored_replica,
+)
 from gateway.http.state import STATE, GatewayState
 from gateway.request.multipart import parse_form
 from gateway.request.parse import parse_request
@@ -102,10 +107,11 @@ async def _route(
     stored: Endpoint | None = None,
 ) -> web.StreamResponse:
     """Admission, scheduling and the proxy, for a request that passed authentication and limits."""
-    _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
     if stored is None:
         stored = await stored_replica(state, request)  # Responses: the replica holding the chain
-    if stored is not None:
+    if stored is None:
+        _candidates(state, request.model)  # 404 / 503 before the request takes a queue slot
+    else:  # a chain's replica may be draining (it still holds its responses), the only one of the model
         check_continues(stored, request)
     shared = state.shared_load  # workers > 1: the siblings' load, for admission and for routing
     if shared is not None:
@@ -134,7 +140,12 @@ async def _route(
         if request.debug:
             extra["x-gateway-scores"] = result.explain()
         assert state.proxy is not None
-        return await state.proxy.forward(http_request, request, result, extra, routing.hooks)
+        try:
+            return await state.proxy.forward(http_request, request, result, extra, routing.hooks)
+        except EndpointUnavailable:
+            if stored is None:
+                raise
+            raise replica_did_not_answer(request.body["previous_response_id"], stored) from None
     finally:
         state.admission.release(ticket)
 

@@ -41,7 +41,7 @@ from gateway.request.parse import CHAIN_SOURCE, session_key, session_sources
 from gateway.request.types import ApiKind, InferenceRequest
 from gateway.sessions.responses import ResponseRecord
 
-__all__ = ["add_response_routes", "check_continues", "stored_replica"]
+__all__ = ["add_response_routes", "check_continues", "replica_did_not_answer", "stored_replica"]
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +247,17 @@ async def _pass_through(http_request: web.Request) -> web.StreamResponse:
         log.info(
             "request %s: %s %s on %s failed: %s", request_id, http_request.method, url, endpoint.name, exc
         )
-        raise Conflict(
-            f"Response {quoted(response_id)} is stored on replica {endpoint.name}, which did not answer: "
-            "the stored response's replica is unavailable",
-            code="response_replica_unavailable",
-        ) from None
+        raise replica_did_not_answer(response_id, endpoint) from None
+
+
+def replica_did_not_answer(response_id: str, endpoint: Endpoint) -> Conflict:
+    """The 409 for a stored response whose replica could not be reached (it is the only one
+    that holds it: no other replica is worth trying, and none is "unavailable for the model")."""
+    return Conflict(
+        f"Response {quoted(response_id)} is stored on replica {endpoint.name}, which did not answer: "
+        "the stored response's replica is unavailable",
+        code="response_replica_unavailable",
+    )
 
 
 async def _chunks(answer: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
