@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.config import LimitConfig, TimeoutConfig
+from gateway.errors import UpstreamError
+from gateway.fleet.endpoint import Endpoint
 from gateway.proxy.hooks import RequestHooks
 from gateway.proxy.resilience import RetryBudget
+from gateway.request.types import ApiKind, InferenceRequest
 
 __all__ = ["Attempt", "ProxySettings", "Retryable"]
 
@@ -40,3 +43,16 @@ class Retryable(Exception):
         super().__init__(reason)
         self.reason = reason
         self.response = response
+
+
+def stream_broke_early(request: InferenceRequest, endpoint: Endpoint) -> Exception:
+    """A stream that broke before its first token: re-sent elsewhere, unless the replica keeps
+    running it. A Responses request with ``background: true`` is stored and run by the engine
+    from the start (vLLM), whatever becomes of the connection: re-sent, it would run twice and
+    leave two stored responses, one whose id nobody was told."""
+    if request.api is ApiKind.RESPONSES and request.body.get("background") is True:
+        return UpstreamError(
+            f"the stream of a background response broke on {endpoint.name}, which keeps running it:"
+            " not sent again elsewhere"
+        )
+    return Retryable("disconnected")

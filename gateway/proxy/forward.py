@@ -29,7 +29,7 @@ from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, Upst
 from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.proxy.attempt import Attempt, ProxySettings, Retryable
+from gateway.proxy.attempt import Attempt, ProxySettings, Retryable, stream_broke_early
 from gateway.proxy.hooks import HookSet, Outcome
 from gateway.proxy.limits import wait_limit
 from gateway.proxy.pd import PDCoordinator, unless_prefill_fails
@@ -437,7 +437,7 @@ class Proxy:
                 raise Retryable(wait.aborted) from None
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
-            raise Retryable("disconnected") from exc
+            raise stream_broke_early(request, endpoint) from exc
 
     def _report_usage(
         self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, tail: bytes

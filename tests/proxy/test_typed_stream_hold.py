@@ -57,6 +57,25 @@ async def test_a_replica_dying_after_the_opening_events_is_retried(
     assert metric_value(metrics, "llm_gateway_retries_total", reason="disconnected") == 1
 
 
+async def test_a_background_response_whose_stream_broke_is_not_sent_again(
+    start_upstream, start_gateway, http
+):
+    """vLLM stores and runs a ``background: true`` response from the start, whatever becomes of
+    the connection: re-sent, one client request ran twice and left two stored responses, one
+    whose id nobody was told (review finding). The client gets a 502, the replica keeps it."""
+    dying, good = await start_upstream(), await start_upstream()
+    dying.mode = "open-then-die"
+    gw = await start_gateway([dying.url, good.url], policy="round-robin", health=STICKY_HEALTH)
+    statuses = []
+    for _ in range(2):  # one of the two lands on the dying replica
+        async with http.post(gw.url + "/v1/responses", json={**RESPONSES, "background": True}) as resp:
+            statuses.append(resp.status)
+            if resp.status == 502:
+                assert "background response" in (await resp.json())["error"]["message"]
+    assert sorted(statuses) == [200, 502]  # old: [200, 200], the broken one re-sent to the good replica
+    assert len(dying.requests) == 1 and len(good.requests) == 1
+
+
 @pytest.mark.parametrize(("path", "body"), ROUTES)
 async def test_the_opening_is_held_until_content_arrives(start_upstream, start_gateway, http, path, body):
     upstream = await start_upstream()
