@@ -180,8 +180,9 @@ class MemoryRateLimiter:
         self._buckets[tenant.name] = (requests, tokens, now)
 
     def _evict_full(self, now: float) -> None:
-        # A bucket idle for a minute is full, which is the same as having no bucket at all.
-        stale = [name for name, (_, _, at) in self._buckets.items() if now - at >= 60.0]
+        # A bucket idle for two minutes is full (from a minute's debt too: settled_level), which
+        # is the same as having no bucket at all.
+        stale = [name for name, (_, _, at) in self._buckets.items() if now - at >= 120.0]
         for name in stale:
             del self._buckets[name]
         if len(self._buckets) >= self._max_tenants:  # still full: drop the oldest (forgiving, bounded)

@@ -65,7 +65,7 @@ redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[6]))
 return {allowed, tostring(r), tostring(t)}
 """
 _SHA = hashlib.sha1(BUCKET_SCRIPT.encode()).hexdigest()
-_TTL_MS = 61_000
+_TTL_MS = 121_000  # a bucket idle this long is full again, from a minute's debt too (settled_level)
 
 
 def bucket_key(prefix: str, tenant: str) -> str:

@@ -148,8 +148,9 @@ class TenantAuth:
         The engine's usage when it sent one; else, when tokens were streamed (the client
         left early, the stream broke), what was streamed — a disconnect must not refund
         work the engine did; else, when the client left (``abandoned``) after the request
-        was sent to a replica, its prompt (the replica took it in: a client that gave up on
-        every answer was refunded all of it); else a failed request is refunded in full (no
+        was sent to a replica (not while it waited in the gateway's pool or connected), its
+        prompt (the replica took it in: a client that gave up on every answer was refunded
+        all of it); else a failed request is refunded in full (no
         engine did work for it) and a successful one keeps its up-front charge.
         """
         context = request.context
@@ -160,7 +161,7 @@ class TenantAuth:
             actual = usage.prompt_tokens + usage.completion_tokens
         elif context.streamed_chunks:
             actual = request.est_prompt_tokens + context.streamed_chunks
-        elif abandoned and context.endpoint is not None:
+        elif abandoned and context.sent:
             actual = request.est_prompt_tokens
         elif failed:
             actual = 0

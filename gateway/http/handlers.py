@@ -13,7 +13,7 @@ from gateway.errors import EndpointUnavailable, GatewayError, ModelNotFound, NoH
 from gateway.fleet.endpoint import Endpoint
 from gateway.http.access_log import INFERENCE_REQUEST
 from gateway.http.admin import endpoint_row, require_admin_key
-from gateway.http.middleware import REQUEST_ID
+from gateway.http.middleware import REQUEST_ID, InFlight
 from gateway.http.openapi import serve_openapi
 from gateway.http.responses import (
     add_response_routes,
@@ -90,7 +90,9 @@ def _inference_handler(api: ApiKind, path: str | None = None) -> Handler:
             exc.extra_headers.update(rate_headers)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            abandoned = True  # the client left: what a replica did for it is not refunded
+            # The client left: what a replica did for it is not refunded. Not the gateway's own
+            # cut (shutdown, a stuck request): the client is answered 503 and may retry.
+            abandoned = InFlight.reason(http_request) is None
             raise
         finally:
             if tenant is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -56,3 +57,15 @@ def stream_broke_early(request: InferenceRequest, endpoint: Endpoint) -> Excepti
             " not sent again elsewhere"
         )
     return Retryable("disconnected")
+
+
+def sending(request: InferenceRequest, then: Callable[[], None]) -> Callable[[], None]:
+    """The upstream client's ``on_slot``: a connection to the replica is held and the request goes
+    out (a client that leaves from now on has cost the replica its prompt:
+    ``TenantAuth.settle_later``); then ``then``."""
+
+    def on_slot() -> None:
+        request.context.sent = True
+        then()
+
+    return on_slot

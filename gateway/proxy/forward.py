@@ -29,7 +29,7 @@ from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, Upst
 from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.proxy.attempt import Attempt, ProxySettings, Retryable, stream_broke_early
+from gateway.proxy.attempt import Attempt, ProxySettings, Retryable, sending, stream_broke_early
 from gateway.proxy.hooks import HookSet, Outcome
 from gateway.proxy.limits import wait_limit
 from gateway.proxy.pd import PDCoordinator, unless_prefill_fails
@@ -39,7 +39,6 @@ from gateway.proxy.sse import (
     aborted,
     ends_event,
     error_event,
-    extract_usage,
     read_past_role_chunk,
 )
 from gateway.proxy.typed_events import event_buffer, stream_end
@@ -50,6 +49,7 @@ from gateway.proxy.upstream import (
     UpstreamClient,
     UpstreamResponse,
 )
+from gateway.proxy.usage import report_usage
 from gateway.request.types import InferenceRequest
 from gateway.scheduling.result import SchedulingResult
 
@@ -260,7 +260,11 @@ class Proxy:
             async with asyncio.timeout_at(wait_limit(attempt.deadline, first_byte_s)) as limit:
                 with self._breakers.first_byte_wait(endpoint, limit, queued=True) as wait:
                     return await self._client.post(
-                        endpoint.url, request.upstream_path, body, headers, on_slot=wait.restart
+                        endpoint.url,
+                        request.upstream_path,
+                        body,
+                        headers,
+                        on_slot=sending(request, wait.restart),
                     )
         except TimeoutError:
             if wait is not None and wait.aborted is not None:
@@ -268,6 +272,7 @@ class Proxy:
             self._metrics.upstream_errors.labels(endpoint.name, "timeout").inc()
             raise UpstreamTimeout(f"endpoint {endpoint.name} did not answer in time") from None
         except ConnectFailed as exc:
+            request.context.sent = False  # it never reached the replica
             self._metrics.upstream_errors.labels(endpoint.name, "connect").inc()
             raise Retryable("connect") from exc
         except ConnectionLost as exc:  # accepted, then closed before any response byte
@@ -331,7 +336,7 @@ class Proxy:
         attempt.hooks.on_first_byte(request, endpoint)
         request.context.ttft_ms = round((time.monotonic() - attempt.started) * 1000, 2)
         if upstream.status == 200:
-            self._report_usage(request, endpoint, attempt, body[-2048:])
+            report_usage(request, endpoint, attempt.hooks, body, whole=True)
         headers["content-type"] = upstream.content_type  # passed through verbatim, charset included
         response = web.Response(status=upstream.status, body=body, headers=headers)
         elapsed = time.monotonic() - attempt.started
@@ -396,7 +401,7 @@ class Proxy:
         rest, failure = stream_end(events, sse, request.api) if failure is None else (b"", failure)
         last += rest
         if failure is None:
-            self._report_usage(request, endpoint, attempt, usage_tail)
+            report_usage(request, endpoint, attempt.hooks, usage_tail, whole=False)
         else:
             log.warning("request %s: %s", request.request_id, failure)
             self._metrics.upstream_errors.labels(endpoint.name, "mid_stream").inc()
@@ -438,11 +443,3 @@ class Proxy:
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
             raise stream_broke_early(request, endpoint) from exc
-
-    def _report_usage(
-        self, request: InferenceRequest, endpoint: Endpoint, attempt: Attempt, tail: bytes
-    ) -> None:
-        usage = extract_usage(tail, request.api)
-        if usage is not None:
-            request.context.usage = usage
-            attempt.hooks.on_usage(request, endpoint, usage)

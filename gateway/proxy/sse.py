@@ -1,9 +1,8 @@
-"""What the proxy reads out of an answer without parsing it all: SSE events, usage, aborts."""
+"""What the proxy reads out of an answer without parsing it all: SSE events, aborts."""
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
 import msgspec
@@ -11,7 +10,7 @@ import msgspec
 from gateway.errors import error_body
 from gateway.proxy.upstream import UpstreamResponse
 from gateway.proxy.upstream_response import ConnectionLost
-from gateway.request.types import ApiKind, InferenceRequest, Usage
+from gateway.request.types import ApiKind, InferenceRequest
 
 __all__ = [
     "SSE_DONE",
@@ -20,88 +19,12 @@ __all__ = [
     "ends_event",
     "error_event",
     "events_end",
-    "extract_usage",
     "read_past_role_chunk",
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 _MAX_HELD_BYTES = 16384
-_USAGE_OPENING = re.compile(rb"\s*:\s*\{")  # after a "usage" key: its object
-_MAX_COUNT = 10**15  # a longer number is no token count (10**400 from a broken replica overflowed)
-_PLAIN_JSON = json.JSONDecoder()
-
-# Per API: its usage object's prompt, completion and cached-token counts (the last one a path).
-_OPENAI_NAMES = ("prompt_tokens", "completion_tokens", ("prompt_tokens_details", "cached_tokens"))
-_RESPONSES_NAMES = ("input_tokens", "output_tokens", ("input_tokens_details", "cached_tokens"))
-_MESSAGES_NAMES = ("input_tokens", "output_tokens", ("cache_read_input_tokens",))
-# Anthropic's input_tokens leave out what was read from or written to the cache: the prompt is all three.
-_MESSAGES_CACHE = ("cache_read_input_tokens", "cache_creation_input_tokens")
-
-
-def _count(value: object) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT:
-        return value
-    return None
-
-
-def _last_usage_object(payload: bytes) -> dict[str, object] | None:
-    """The object of the last ``"usage"`` key in ``payload``: the engine's own, which every
-    API writes after the answer's content. Only that one is read: content the client
-    steers (a tool call's input, an echoed JSON schema) comes before it and may hold
-    keys named like usage counts, or a ``"usage"`` of its own."""
-    at = payload.rfind(b'"usage"')
-    opening = _USAGE_OPENING.match(payload, at + 7) if at != -1 else None
-    if opening is None:
-        return None
-    try:
-        usage, _ = _PLAIN_JSON.raw_decode(payload[opening.end() - 1 :].decode("utf-8", "replace"))
-    except ValueError:
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-def extract_usage(payload: bytes, api: ApiKind) -> Usage | None:
-    """The engine's token counts from the tail of an answer (its last ``usage`` object).
-
-    OpenAI chat, completions, embeddings and the pooling APIs name them ``prompt_tokens`` /
-    ``completion_tokens``; the Responses API ``input_tokens`` / ``output_tokens``, and so do
-    Anthropic Messages (whose ``input_tokens`` leave out ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens``: the prompt is the sum). Anthropic's count_tokens
-    answer is ``{"input_tokens": N}`` itself. A count of the wrong name, type or size is no
-    count: the request then keeps its up-front charge."""
-    if api is ApiKind.COUNT_TOKENS:
-        try:
-            answer = json.loads(payload)
-        except ValueError:
-            return None
-        prompt = _count(answer.get("input_tokens")) if isinstance(answer, dict) else None
-        return None if prompt is None else Usage(prompt_tokens=prompt, completion_tokens=0)
-    usage = _last_usage_object(payload)
-    if usage is None:
-        return None
-    names = (
-        _RESPONSES_NAMES
-        if api is ApiKind.RESPONSES
-        else _MESSAGES_NAMES
-        if api is ApiKind.MESSAGES
-        else _OPENAI_NAMES
-    )
-    prompt = _count(usage.get(names[0]))
-    if prompt is None:
-        return None
-    cached: object = usage
-    for key in names[2]:
-        cached = cached.get(key) if isinstance(cached, dict) else None
-    if api is ApiKind.MESSAGES:
-        prompt += sum(_count(usage.get(key)) or 0 for key in _MESSAGES_CACHE)
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=_count(usage.get(names[1])) or 0,
-        cached_tokens=_count(cached) or 0,
-    )
-
-
 _MAX_PARTIAL_EVENT = 65536  # beyond this a "stream" is not SSE: pass it on as it comes
 
 

@@ -138,6 +138,7 @@ class RequestContext:
     """Per-request state written by one stage and read by later ones (hooks, access log, limits)."""
 
     endpoint: str | None = None  # proxy: the endpoint of the latest attempt
+    sent: bool = False  # proxy: the latest attempt held a connection to its replica (was sent)
     ttft_ms: float | None = None  # proxy: time to the first byte sent to the client
     usage: Usage | None = None  # proxy: from the engine's answer
     streamed_chunks: int = 0  # proxy: SSE data chunks passed to the client (a floor for usage)

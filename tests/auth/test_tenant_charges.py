@@ -17,7 +17,9 @@ import json
 import aiohttp
 import pytest
 
-from tests.auth.test_hostile_limits_accounting import limited_gateway, prefix
+from gateway.auth.ratelimit import MemoryRateLimiter
+from gateway.auth.tenant import Tenant
+from tests.auth.test_hostile_limits_accounting import keys_file, limited_gateway, prefix
 from tests.support.harness import chat_body
 
 __all__ = ["prefix"]  # the fixture, used here
@@ -84,6 +86,36 @@ async def test_a_client_that_gives_up_pays_for_the_prompt(
     assert remaining > 6_000, remaining  # the prompt, not the 10 completion tokens nor more
 
 
+async def test_a_client_that_gives_up_before_its_request_left_the_gateway_pays_nothing(
+    start_upstream, start_gateway, http, tmp_path, prefix
+):
+    """It waited for the replica's only pooled connection (``upstream_connections_per_endpoint``):
+    no replica saw it, so the whole charge is refunded (review finding: it was charged its prompt)."""
+    upstream = await start_upstream()
+    upstream.mode = "hold"
+    auth = {"enabled": True, "keys_file": keys_file(tmp_path, tokens_per_minute=10_000)}
+    gw = await start_gateway([upstream.url], auth=auth, limits={"upstream_connections_per_endpoint": 1})
+    holder = asyncio.create_task(
+        http.post(gw.url + "/v1/chat/completions", json=chat_body(max_tokens=1), headers=AUTH)
+    )
+    for _ in range(100):
+        if upstream.requests:
+            break
+        await asyncio.sleep(0.02)
+    body = {**chat_body(max_tokens=10), "messages": [{"role": "user", "content": "word " * 2000}]}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as impatient:
+        with pytest.raises(TimeoutError):
+            await impatient.post(gw.url + "/v1/chat/completions", json=body, headers=AUTH)
+    holder.cancel()
+    await asyncio.sleep(0.5)
+    upstream.mode = "ok"
+    assert len(upstream.requests) == 1  # the impatient request never reached the replica
+    remaining = int(
+        (await _post(http, gw, **chat_body(max_tokens=1))).headers["x-ratelimit-remaining-tokens"]
+    )
+    assert remaining > 9_500, remaining  # old: ~7,700 (its ~2,500-token prompt estimate kept)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 async def test_errors_after_the_limit_carry_the_ratelimit_headers(
     start_upstream, start_gateway, http, tmp_path, prefix, path
@@ -95,3 +127,19 @@ async def test_errors_after_the_limit_carry_the_ratelimit_headers(
     assert resp.status == 404
     assert resp.headers.get("x-ratelimit-remaining-requests") == "99"  # old: absent
     assert resp.headers.get("x-ratelimit-limit-requests") == "100"
+
+
+def test_a_debt_outlives_a_minute_idle_among_many_tenants() -> None:
+    """A bucket idle for a minute was taken for full and dropped when the tenant table was full:
+    a minute's debt needs two minutes to refill (the Redis key's TTL is two minutes too)."""
+    now = [-100.0]
+    limiter = MemoryRateLimiter(clock=lambda: now[0], max_tenants=2)
+    idle, debtor, newcomer = (Tenant(name, tokens_per_minute=600) for name in ("idle", "debtor", "newcomer"))
+    assert limiter.acquire_now(idle, 10).allowed  # idle since -100 s: full again by now
+    now[0] = 0.0
+    assert limiter.acquire_now(debtor, 10).allowed
+    limiter.settle_now(debtor, 10, 1_210)  # a minute's debt: -600
+    now[0] = 90.0
+    assert limiter.acquire_now(newcomer, 10).allowed  # the table is full: full buckets are dropped
+    decision = limiter.acquire_now(debtor, 10)
+    assert decision.allowed and decision.remaining_tokens == 290  # -600 + 900 refilled - 10; old: 590

@@ -1,9 +1,11 @@
 """A tenant is charged the engine's own usage, never counts the client wrote into the answer.
 
-Reviewer finding: usage was found by regex anywhere in the answer's last 2 KB, ``prompt_tokens``
+Reviewer findings: usage was found by regex anywhere in the answer's last 2 KB, ``prompt_tokens``
 first, so a Messages tool call's input (which the prompt steers) or a Responses answer's
-echoed JSON schema holding ``"prompt_tokens": 0`` zeroed the charge. Now only the last
-``usage`` object is read, with its API's names. Real gateway, real replicas over sockets.
+echoed JSON schema holding ``"prompt_tokens": 0`` zeroed the charge; and a long echoed field
+after the usage (Responses' ``user``) pushed it out of the 2 KB. Now a body's top-level
+``usage`` is read, a stream's last ``usage`` object, with the API's names
+(``gateway/proxy/usage.py``). Real gateway, real replicas over sockets.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway.proxy.sse import extract_usage
+from gateway.proxy.usage import answer_usage, stream_usage
 from gateway.request.types import ApiKind, Usage
 from tests.support.edge_cases import TENANT_KEY, keys_yaml
 
@@ -36,7 +38,8 @@ def _messages_answer(tool_input: dict[str, Any]) -> dict[str, Any]:
 
 
 def _responses_answer(schema: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's Responses answer in its field order: the request's ``text.format`` echoed before usage."""
+    """vLLM's Responses answer in its field order: the request's ``text.format`` echoed before
+    usage, its ``user`` after it (here long enough to push usage out of a 2 KB tail)."""
     return {
         "id": "resp_1",
         "object": "response",
@@ -45,7 +48,7 @@ def _responses_answer(schema: dict[str, Any]) -> dict[str, Any]:
         "status": "completed",
         "text": {"format": {"type": "json_schema", "name": "r", "schema": schema}},
         "usage": {"input_tokens": 400, "output_tokens": 500, "total_tokens": 900},
-        "user": None,
+        "user": "u" * 2100 if "usage" in schema else "u1",
     }
 
 
@@ -90,10 +93,10 @@ def _answer(usage: dict[str, Any], before: dict[str, Any] | None = None) -> byte
 
 def test_each_api_reads_its_own_names() -> None:
     chat = {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}
-    assert extract_usage(_answer(chat), ApiKind.CHAT) == Usage(10, 3, 8)
+    assert answer_usage(_answer(chat), ApiKind.CHAT) == Usage(10, 3, 8)
     responses = {"input_tokens": 10, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 4}}
-    assert extract_usage(_answer(responses), ApiKind.RESPONSES) == Usage(10, 3, 4)
-    assert extract_usage(_answer(responses), ApiKind.CHAT) is None  # not chat's names
+    assert answer_usage(_answer(responses), ApiKind.RESPONSES) == Usage(10, 3, 4)
+    assert answer_usage(_answer(responses), ApiKind.CHAT) is None  # not chat's names
     # Anthropic's input_tokens leave the cache out: the prompt is input + read + written.
     messages = {
         "input_tokens": 2,
@@ -101,36 +104,67 @@ def test_each_api_reads_its_own_names() -> None:
         "cache_read_input_tokens": 8,
         "cache_creation_input_tokens": 1,
     }
-    assert extract_usage(_answer(messages), ApiKind.MESSAGES) == Usage(11, 3, 8)
-    assert extract_usage(b'{"input_tokens": 42}', ApiKind.COUNT_TOKENS) == Usage(42, 0)
+    assert answer_usage(_answer(messages), ApiKind.MESSAGES) == Usage(11, 3, 8)
+    assert answer_usage(b'{"input_tokens": 42}', ApiKind.COUNT_TOKENS) == Usage(42, 0)
 
 
-def test_only_the_last_usage_object_counts() -> None:
+def test_a_body_s_usage_is_its_top_level_one() -> None:
     planted = {"content": {"usage": {"prompt_tokens": 0, "completion_tokens": 0}}}
-    assert extract_usage(
-        _answer({"prompt_tokens": 7, "completion_tokens": 1}, planted), ApiKind.CHAT
-    ) == Usage(7, 1)
-    # The engine reported none: an earlier, client-steered object is not taken for it.
-    assert extract_usage(_answer(None, planted), ApiKind.CHAT) is None  # type: ignore[arg-type]
+    real = {"prompt_tokens": 7, "completion_tokens": 1}
+    assert answer_usage(_answer(real, planted), ApiKind.CHAT) == Usage(7, 1)
+    # The engine reported none: a client-steered object inside the content is not taken for it.
+    assert answer_usage(json.dumps(planted).encode(), ApiKind.CHAT) is None
+    # Fields after usage (an echoed user, prompt_token_ids) do not hide it, however long.
+    after = json.dumps({"usage": real, "user": "u" * 5000, "prompt_token_ids": list(range(3000))}).encode()
+    assert answer_usage(after, ApiKind.CHAT) == Usage(7, 1)
+    # A big body (an embeddings batch): its tail first, the whole body when the tail has none.
+    big = json.dumps({"data": [{"embedding": [0.5] * 30_000}], "usage": real}).encode()
+    assert answer_usage(big, ApiKind.EMBEDDINGS) == Usage(7, 1)
+    big_hidden = json.dumps({"data": [0.5] * 30_000, "usage": real, "user": "u" * 5000}).encode()
+    assert answer_usage(big_hidden, ApiKind.EMBEDDINGS) == Usage(7, 1)
+
+
+def test_a_stream_s_usage_is_its_last_usage_object() -> None:
     stream = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
-    assert extract_usage(stream, ApiKind.CHAT) == Usage(5, 2)
+    assert stream_usage(stream, ApiKind.CHAT) == Usage(5, 2)
+    # A key ending in \"usage" is no "usage" key (its first quote is escaped): a later
+    # client-steered object holding one is skipped, the engine's usage found before it.
+    fooled = stream[:-14] + b'data: {"delta": {"say \\"usage": {"prompt_tokens": 0}}}\n\n'
+    assert json.loads(fooled.split(b"\n\n")[1][6:]) == {"delta": {'say "usage': {"prompt_tokens": 0}}}
+    assert stream_usage(fooled, ApiKind.CHAT) == Usage(5, 2)
+
+
+def test_sglang_messages_input_tokens_hold_the_cache_already() -> None:
+    usage = {"input_tokens": 4000, "output_tokens": 10, "cache_read_input_tokens": 3900}
+    assert answer_usage(_answer(usage), ApiKind.MESSAGES, cache_in_input=True) == Usage(4000, 10, 3900)
+    assert answer_usage(_answer(usage), ApiKind.MESSAGES) == Usage(7900, 10, 3900)  # vLLM, Anthropic
 
 
 @pytest.mark.parametrize(
     "value", [True, -1, 10**15, 10**400, 1.5, "12", None, [3]], ids=lambda v: repr(v)[:12]
 )
 def test_a_count_of_the_wrong_type_or_size_is_none(value: object) -> None:
-    payload = b'{"usage": {"prompt_tokens": ' + json.dumps(value).encode() + b', "completion_tokens": 1}}'
-    assert extract_usage(payload, ApiKind.CHAT) is None
-    payload = b'{"usage": {"prompt_tokens": 3, "completion_tokens": ' + json.dumps(value).encode() + b"}}"
-    assert extract_usage(payload, ApiKind.CHAT) == Usage(3, 0)
+    for read in (answer_usage, stream_usage):
+        payload = b'{"usage": {"prompt_tokens": ' + json.dumps(value).encode() + b', "completion_tokens": 1}}'
+        assert read(payload, ApiKind.CHAT) is None
+        payload = b'{"usage": {"prompt_tokens": 3, "completion_tokens": ' + json.dumps(value).encode() + b"}}"
+        assert read(payload, ApiKind.CHAT) == Usage(3, 0)
 
 
-def test_a_cut_or_broken_tail_is_no_usage() -> None:
+def test_a_cut_broken_or_hostile_answer_is_no_usage_and_never_raises() -> None:
+    deep = b'{"usage": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+    deep_elsewhere = b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b', "usage": {"prompt_tokens": 1}}'
     for payload in (
         b'"usage": {"prompt_tokens": 3',
         b'"usage": [1]',
         b'"usage": {"prompt_tokens": \xff}',
         b"\xff" * 9,
+        b"",
+        deep,
+        b'{"usage": {"x": ' + b"[" * 1000,
     ):
-        assert extract_usage(payload, ApiKind.CHAT) is None
+        for read in (answer_usage, stream_usage):
+            for api in ApiKind:
+                assert read(payload, api) is None, (payload[:40], api)
+    for api in ApiKind:  # a whole body that nests deeply elsewhere: no usage, and no exception
+        answer_usage(deep_elsewhere, api)
