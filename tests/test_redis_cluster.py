@@ -27,7 +27,7 @@ from gateway.auth.tenant import Tenant
 from gateway.prefix.memory import MemoryPrefixIndex
 from gateway.prefix.redis import RedisPrefixIndex, endpoint_key
 from gateway.redis_client import cluster_seeds, is_cluster_url, redis_client, redis_ports
-from gateway.request.parse import session_key
+from gateway.request.parse import session_key, tenant_session_key
 from gateway.sessions.store import MemorySessionStore, RedisSessionStore
 from loadtest.harness.redis_cluster import RedisCluster
 from tests.deploy.live_fleet import KEY_OK, Load, Replica, tenant_request
@@ -154,7 +154,9 @@ async def test_two_gateways_share_the_cluster_through_a_master_failover(
                 return None, "not answered"
             pinned = resp.headers.get("x-gateway-endpoint")
         await gateways[0].state.sessions.store.flush()
-        return pinned, await gateways[1].state.sessions.store.get(session_key(session))
+        return pinned, await gateways[1].state.sessions.store.get(
+            tenant_session_key("ok", session_key(session))
+        )
 
     # Warm-up: each client learns the slot map in the background; until then the guards answer locally.
     began = time.monotonic()

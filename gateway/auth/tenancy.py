@@ -32,7 +32,7 @@ from gateway.auth.keyfile import FileKeyStore
 from gateway.config import AuthConfig, ConfigError
 from gateway.errors import AuthUnavailable, Forbidden, Unauthorized, quoted
 from gateway.ops.metrics import GatewayMetrics
-from gateway.request.parse import session_key
+from gateway.request.parse import tenant_session_key
 from gateway.request.types import InferenceRequest, Priority
 
 __all__ = ["TenantAuth", "TenantRateLimited"]
@@ -111,10 +111,8 @@ class TenantAuth:
             self._metrics.auth_failures.labels("model_not_allowed").inc()
             raise Forbidden(f"this key may not use model {quoted(request.model)}", param="model")
         request.tenant = tenant.name
-        if request.session_id is not None:
-            # A tenant's sessions are its own: the same id from another tenant (a `user` field,
-            # a conversation counter) must neither follow nor move this tenant's pin.
-            request.session_id = session_key(f"{tenant.name}\0{request.session_id}")
+        if request.session_id is not None:  # neither follows nor moves another tenant's pin
+            request.session_id = tenant_session_key(tenant.name, request.session_id)
         if not priority_given or Priority(request.priority).rank < Priority(tenant.priority).rank:
             request.priority = tenant.priority  # a header may lower the tenant's priority, never raise it
         if not tenant.debug:

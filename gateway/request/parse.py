@@ -33,6 +33,7 @@ __all__ = [
     "parse_request",
     "session_key",
     "session_sources",
+    "tenant_session_key",
 ]
 
 _PRIORITY_NAMES = [p.value for p in Priority]
@@ -85,6 +86,12 @@ def session_key(client_id: str) -> str:
     """A client's session id as stored: 32 hex digits whatever its length (a 1 MB ``user``
     field must not become a 1 MB key in memory and in Redis)."""
     return xxhash.xxh3_128_hexdigest(client_id.encode("utf-8", "surrogatepass"))
+
+
+def tenant_session_key(tenant: str, key: str) -> str:
+    """A session key (:func:`session_key`) scoped to its tenant, as stored when auth is on: the
+    same id from two tenants (a ``user`` field, a conversation counter) is two sessions."""
+    return session_key(f"{tenant}\0{key}")
 
 
 def _body_value(body: dict[str, Any], dotted: str) -> Any:
