@@ -67,9 +67,13 @@ def pool_signals(endpoints: Iterable[Endpoint], config: AutoscaleConfig) -> list
 
 
 class AutoscaleCollector:
-    """Exports the pool signals at scrape time (always current, no per-request cost)."""
+    """Exports the pool signals at scrape time (always current, no per-request cost).
 
-    def __init__(self, endpoints: Callable[[], Iterable[Endpoint]], config: AutoscaleConfig) -> None:
+    ``config`` is asked at each scrape: a reloaded ``autoscale`` section applies at once."""
+
+    def __init__(
+        self, endpoints: Callable[[], Iterable[Endpoint]], config: Callable[[], AutoscaleConfig]
+    ) -> None:
         self._endpoints = endpoints
         self._config = config
 
@@ -90,7 +94,7 @@ class AutoscaleCollector:
                 "llm_gateway_pool_queue_depth", "Waiting requests summed over the pool", labels=["pool"]
             ),
         }
-        for signal in pool_signals(self._endpoints(), self._config):
+        for signal in pool_signals(self._endpoints(), self._config()):
             families["desired"].add_metric([signal.pool], signal.desired)
             families["current"].add_metric([signal.pool], signal.current)
             families["kv"].add_metric([signal.pool], signal.kv_utilization)

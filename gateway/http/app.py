@@ -258,7 +258,7 @@ def build_app(
         state.auth = TenantAuth(config.auth, metrics)
     metrics.watch_endpoints(registry.targets, prefix.size, prefix.capacity)
     metrics.sessions_active.set_function(sessions.store.active)
-    metrics.registry.register(AutoscaleCollector(lambda: list(registry), config.autoscale))  # replicas
+    metrics.registry.register(AutoscaleCollector(lambda: list(registry), lambda: state.config.autoscale))
 
     app = web.Application(client_max_size=config.server.max_body_bytes, middlewares=[error_middleware])
     app[STATE] = state

@@ -10,8 +10,9 @@ timeouts, retries and breaker settings, health checks and scrapes (intervals, ti
 thresholds, from their next round), model aliases and split weights.
 
 Sections that own sockets or background tasks (``server``, ``prefix``, ``sessions``,
-``pd``, ``discovery``, the auth backends, ``scrape.enabled``) need a restart; a change there is logged
-and the running values are kept.
+``pd``, ``discovery``, the auth backends, ``scrape.enabled``, the upstream connection pools'
+sizes) need a restart; a change there is logged and the running values are kept. Every other
+section applies (``autoscale`` from the next scrape of ``/metrics``, ``log_level`` at once).
 """
 
 from __future__ import annotations
@@ -32,12 +33,23 @@ from gateway.http.app import parse_options, proxy_settings
 from gateway.http.routing import build_routing
 from gateway.http.state import GatewayState
 
-__all__ = ["RESTART_ONLY", "ConfigReloader", "apply_config"]
+__all__ = ["APPLIED", "RESTART_ONLY", "ConfigReloader", "apply_config"]
 
 log = logging.getLogger(__name__)
 
 RESTART_ONLY = ("server", "prefix", "sessions", "pd", "discovery")
-_AUTH_RESTART_ONLY = ("backend", "redis_url", "key_prefix", "limits_backend", "enabled", "keys_file")
+# Fields of applied sections that still need a restart: they built sockets, pools or tasks.
+_FIELDS_RESTART_ONLY = {
+    "auth": ("backend", "redis_url", "key_prefix", "limits_backend", "enabled", "keys_file"),
+    "scrape": ("enabled",),  # whether the poller runs at all
+    "limits": ("upstream_connections", "upstream_connections_per_endpoint"),  # the connection pools
+}
+# Every other section, applied in place by apply_config (tests/web/test_reload_every_section.py
+# checks that each section of GatewayConfig is in exactly one of the two lists).
+APPLIED = (
+    "endpoints", "health", "scrape", "timeouts", "limits", "admission", "autoscale", "resilience",
+    "auth", "models", "policy", "plugins", "profiles", "log_level",
+)  # fmt: skip
 
 
 def _keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> GatewayConfig:
@@ -46,17 +58,15 @@ def _keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> GatewayConfig:
         if getattr(old, section) != getattr(new, section):
             log.warning("config reload: %r changed; it takes effect after a restart", section)
             kept[section] = getattr(old, section)
-    auth_kept = {
-        f: getattr(old.auth, f) for f in _AUTH_RESTART_ONLY if getattr(old.auth, f) != getattr(new.auth, f)
-    }
-    if old.scrape.enabled != new.scrape.enabled:  # whether the poller runs at all
-        log.warning("config reload: 'scrape.enabled' changed; it takes effect after a restart")
-        kept["scrape"] = new.scrape.model_copy(update={"enabled": old.scrape.enabled})
-    if auth_kept:
-        log.warning(
-            "config reload: auth.%s changed; it takes effect after a restart", ", auth.".join(auth_kept)
-        )
-        kept["auth"] = new.auth.model_copy(update=auth_kept)
+    for section, fields in _FIELDS_RESTART_ONLY.items():
+        was, now = getattr(old, section), getattr(new, section)
+        changed = {f: getattr(was, f) for f in fields if getattr(was, f) != getattr(now, f)}
+        if changed:
+            log.warning(
+                "config reload: %s changed; it takes effect after a restart",
+                ", ".join(f"{section}.{f}" for f in changed),
+            )
+            kept[section] = now.model_copy(update=changed)
     return new.model_copy(update=kept) if kept else new
 
 
@@ -110,7 +120,9 @@ async def apply_config(state: GatewayState, new: GatewayConfig) -> None:
         state.aliases.reconfigure(new.models)
     if state.auth is not None:
         state.auth.reconfigure(new.auth)
-    state.config = new
+    if new.log_level != state.config.log_level:
+        logging.getLogger().setLevel(new.log_level.upper())
+    state.config = new  # the autoscale signal reads its section from here at each scrape
 
 
 class ConfigReloader:

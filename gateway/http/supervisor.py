@@ -178,7 +178,14 @@ def supervise(config: GatewayConfig, reload: Any, slots: list[WorkerSlot], worke
             args=(worker_config, worker_config.log_level, worker_reload, slot, parent, tell_started),
             name=f"gateway-worker-{slot.index}",
         )
-        process.start()
+        # A spawned worker keeps an ignored SIGHUP, not a handled one (exec resets it to the
+        # default: terminate): ignored while it starts, a hangup sent to the whole process group
+        # cannot kill a replacement half-started (the file watch still sees a change sent now).
+        handler = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            process.start()
+        finally:
+            signal.signal(signal.SIGHUP, handler)
         tell_started.close()  # the worker's end
         worker = running[process.sentinel] = _Worker(slot, process, started, time.monotonic())
         return worker

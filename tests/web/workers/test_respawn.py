@@ -61,11 +61,12 @@ async def _new_worker(gw, old: set[int]) -> int:
     raise AssertionError(f"no worker started again: children {children(gw.pid)}\n{gw.log_tail(3000)}")
 
 
-async def _gateway(tmp_path, urls: list[str]):
+async def _gateway(tmp_path, urls: list[str], new_session: bool = False):
     """``serve --workers 2`` with a config file (returned, to be changed) naming ``urls``."""
     config = tmp_path / "gw.yaml"
     config.write_text(_config(urls))
-    return await spawn_gateway([], ["--workers", "2", "--config", str(config)], tmp_path), config
+    args = ["--workers", "2", "--config", str(config)]
+    return await spawn_gateway([], args, tmp_path, new_session=new_session), config
 
 
 async def _kill_one_worker(gw) -> tuple[set[int], int]:
@@ -187,17 +188,23 @@ def test_a_worker_that_keeps_dying_is_started_ever_slower_until_one_runs_stably(
     assert backoff.delay_after_exit(0, ran_s=1.0) == RESPAWN_DELAYS_S[1]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-async def test_a_signal_sent_while_a_replacement_starts_waits_for_it(start_sim, tmp_path, signum):
+@pytest.mark.parametrize(
+    ("signum", "to_group"),
+    [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGHUP, True)],
+    ids=["sigterm", "sighup", "sighup-to-the-group"],
+)
+async def test_a_signal_sent_while_a_replacement_starts_waits_for_it(start_sim, tmp_path, signum, to_group):
     """SIGTERM: the stop drains every worker and exits 0 (sent at once, it killed the half-started
     worker: exit 1). SIGHUP: the replacement reloads once it listens (sent at once, it died and
-    was counted as a second death)."""
+    was counted as a second death). SIGHUP to the process group (a terminal's hangup) reaches
+    the starting replacement itself: it inherited the parent's handler, which exec makes the
+    default, terminate (review finding); the first workers inherit an ignored SIGHUP."""
     sims = [await start_sim(model="m")]
-    gw, _ = await _gateway(tmp_path, [sims[0].url])
+    gw, _ = await _gateway(tmp_path, [sims[0].url], new_session=to_group)
     try:
         old, fresh = await _kill_one_worker(gw)
         await asyncio.sleep(0.05)  # it is importing: no handlers yet
-        os.kill(gw.pid, signum)
+        (os.killpg if to_group else os.kill)(gw.pid, signum)
         if signum == signal.SIGTERM:
             code = await asyncio.wait_for(gw.process.wait(), 30)
             assert code == 0, gw.log_tail(3000)
