@@ -46,15 +46,16 @@ class Retryable(Exception):
         self.response = response
 
 
-def stream_broke_early(request: InferenceRequest, endpoint: Endpoint) -> Exception:
-    """A stream that broke before its first token: re-sent elsewhere, unless the replica keeps
-    running it. A Responses request with ``background: true`` is stored and run by the engine
-    from the start (vLLM), whatever becomes of the connection: re-sent, it would run twice and
-    leave two stored responses, one whose id nobody was told."""
+def lost_before_answer(request: InferenceRequest, endpoint: Endpoint) -> Exception:
+    """The replica took the request, then its connection or stream broke before anything reached
+    the client: re-sent elsewhere, unless the replica keeps running it. A Responses request with
+    ``background: true`` is stored and run by the engine from the start (vLLM), whatever becomes
+    of the connection: re-sent, it would run twice and leave two stored responses, one whose id
+    nobody was told."""
     if request.api is ApiKind.RESPONSES and request.body.get("background") is True:
         return UpstreamError(
-            f"the stream of a background response broke on {endpoint.name}, which keeps running it:"
-            " not sent again elsewhere"
+            f"the connection to {endpoint.name} broke after it took a background response, which it"
+            " keeps running: not sent again elsewhere"
         )
     return Retryable("disconnected")
 

@@ -29,7 +29,7 @@ from gateway.errors import GATEWAY_CUT, EndpointUnavailable, UpstreamError, Upst
 from gateway.fleet.dp import RANK_HEADER, RANK_REFUSED, other_servers_first, rank_out_of_range, without_rank
 from gateway.fleet.endpoint import Endpoint
 from gateway.ops.metrics import GatewayMetrics
-from gateway.proxy.attempt import Attempt, ProxySettings, Retryable, sending, stream_broke_early
+from gateway.proxy.attempt import Attempt, ProxySettings, Retryable, lost_before_answer, sending
 from gateway.proxy.hooks import HookSet, Outcome
 from gateway.proxy.limits import wait_limit
 from gateway.proxy.pd import PDCoordinator, unless_prefill_fails
@@ -277,7 +277,7 @@ class Proxy:
             raise Retryable("connect") from exc
         except ConnectionLost as exc:  # accepted, then closed before any response byte
             self._metrics.upstream_errors.labels(endpoint.name, "disconnected").inc()
-            raise Retryable("disconnected") from exc
+            raise lost_before_answer(request, endpoint) from exc
 
     async def _server_error(
         self, endpoint: Endpoint, upstream: UpstreamResponse, headers: dict[str, str], attempt: Attempt
@@ -442,4 +442,4 @@ class Proxy:
                 raise Retryable(wait.aborted) from None
             raise UpstreamTimeout("upstream sent headers but no data in time") from None
         except ConnectionLost as exc:
-            raise stream_broke_early(request, endpoint) from exc
+            raise lost_before_answer(request, endpoint) from exc

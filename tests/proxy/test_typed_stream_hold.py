@@ -76,6 +76,33 @@ async def test_a_background_response_whose_stream_broke_is_not_sent_again(
     assert len(dying.requests) == 1 and len(good.requests) == 1
 
 
+@pytest.mark.parametrize("background", [True, False])
+async def test_a_background_response_whose_connection_closed_unanswered_is_not_sent_again(
+    start_upstream, start_gateway, http, stack, background
+):
+    """The replica read the request and closed without a byte of answer: an ordinary request is
+    re-sent to the next replica, a background one is not (its engine may be running it)."""
+    taken: list[int] = []
+
+    async def close_unanswered(i, reader, writer, body) -> bool:
+        taken.append(i)
+        return False
+
+    closing = await raw(stack, close_unanswered)
+    good = await start_upstream()
+    gw = await start_gateway(
+        [{"url": closing.url, "models": ["tiny"]}, good.url], policy="round-robin", health=STICKY_HEALTH
+    )
+    body = {"model": "tiny", "input": "hi", "background": background}
+    statuses = []
+    for _ in range(2):  # one of the two lands on the closing replica first
+        async with http.post(gw.url + "/v1/responses", json=body) as resp:
+            statuses.append(resp.status)
+    assert len(taken) == 1
+    assert sorted(statuses) == ([200, 502] if background else [200, 200])  # old: [200, 200] for both
+    assert len(good.requests) == (1 if background else 2)
+
+
 @pytest.mark.parametrize(("path", "body"), ROUTES)
 async def test_the_opening_is_held_until_content_arrives(start_upstream, start_gateway, http, path, body):
     upstream = await start_upstream()
