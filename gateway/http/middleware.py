@@ -231,12 +231,43 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     if not response.prepared:
         response.headers["x-request-id"] = request_id
     state = request.app[STATE]
+    if isinstance(response, web.Response) and not response.prepared:
+        response = await _send_bounded(request, response, state.config.timeouts.idle_s)
     if state.routes is not None:
         state.routes.observe(_route(request), response.status, time.monotonic() - started)
     access_log = state.access_log
     if access_log.enabled:
         access_log.write(request, request_id, response.status, started)
     return response
+
+
+_BOUNDED_SEND_BYTES = 1 << 18
+
+
+async def _send_bounded(request: web.Request, response: web.Response, idle_s: float) -> web.StreamResponse:
+    """A big answer (an embeddings batch, up to ``limits.max_response_bytes``) written a slice at
+    a time, each wait for the client bounded by ``timeouts.idle_s`` as a stream's are: aiohttp
+    writes a body with no deadline, and a client that never read held its connection and the
+    whole body in memory for ever. One that stops reading loses its connection."""
+    body = response.body
+    if not isinstance(body, bytes) or len(body) <= _BOUNDED_SEND_BYTES:
+        return response  # the common case: aiohttp writes it, and the socket's buffer takes it
+    out = web.StreamResponse(status=response.status, reason=response.reason, headers=response.headers)
+    out.content_length = len(body)
+    view = memoryview(body)
+    try:
+        async with asyncio.timeout(idle_s):
+            await out.prepare(request)
+        for start in range(0, len(view), _BOUNDED_SEND_BYTES):
+            async with asyncio.timeout(idle_s):
+                await out.write(view[start : start + _BOUNDED_SEND_BYTES])
+        await out.write_eof()
+    except TimeoutError:
+        log.info("request %s: the client stopped reading its answer", request.get(REQUEST_ID))
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading its answer") from None
+    return out
 
 
 def _route(request: web.Request) -> str:

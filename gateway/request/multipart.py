@@ -15,9 +15,14 @@ from gateway.errors import BadRequest, quoted
 
 __all__ = ["Form", "parse_form"]
 
-_BOUNDARY = re.compile(r'boundary="?([^";]{1,200})"?', re.IGNORECASE)
-_NAME = re.compile(rb'\bname="([^"]*)"', re.IGNORECASE)
-_FILENAME = re.compile(rb"\bfilename\*?=", re.IGNORECASE)
+# RFC 2046: 1-70 of these, the last not a space. Anything else (a byte that is no ASCII) could be
+# split on one way here and written another way in the forwarded Content-Type.
+_BOUNDARY = re.compile(r'boundary=(?:"([^"]*)"|([^";\s]*))', re.IGNORECASE)
+_BCHARS = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
+# Content-Disposition's parameters: a token, "=", a token or a quoted string whose backslash
+# escapes a character (as the engines' parser, python-multipart, reads it: the same bounds).
+_PARAM = re.compile(rb'\s*;\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;"\s]+))\s*')
+_ESCAPED = re.compile(rb"\\(.)")
 _MAX_FIELD_BYTES = 65536
 _MAX_PARTS = 64
 
@@ -37,7 +42,7 @@ class Form:
 
     @property
     def content_type(self) -> str:
-        return f"multipart/form-data; boundary={self.boundary.decode()}"
+        return f'multipart/form-data; boundary="{self.boundary.decode()}"'  # quoted: it may hold a space
 
     def fields(self) -> dict[str, object]:
         """The text fields (a repeated name: its last value)."""
@@ -57,12 +62,15 @@ class Form:
         return out
 
     def encode(self, fields: dict[str, object]) -> bytes:
-        """The body again, with text fields changed or added from ``fields`` (files as they came)."""
+        """The body again, with text fields changed, added or removed as in ``fields`` (files as
+        they came): a field the gateway dropped (a tenant's ``priority``) must not reach the engine."""
         seen: set[str] = set()
         chunks: list[bytes] = []
         for part in self.parts:
             data = part.data
-            if not part.is_file and part.name in fields:
+            if not part.is_file:
+                if part.name not in fields:
+                    continue
                 data = _text(fields[part.name])
                 seen.add(part.name)
             chunks.append(b"--" + self.boundary + b"\r\n" + part.headers + b"\r\n\r\n" + data + b"\r\n")
@@ -88,25 +96,60 @@ def parse_form(raw: bytes, content_type: str) -> Form:
     found = _BOUNDARY.search(content_type)
     if found is None:
         raise BadRequest("multipart/form-data without a boundary")
-    boundary = found.group(1).encode()
-    delimiter = b"--" + boundary
-    pieces = raw.split(delimiter)
+    boundary = found.group(1) if found.group(1) is not None else found.group(2)
+    if not _BCHARS.fullmatch(boundary):
+        raise BadRequest("multipart/form-data: the boundary must be 1-70 of RFC 2046's characters")
+    delimiter = b"--" + boundary.encode()
+    # At most the parts allowed (and the text before and after): a body of delimiters alone
+    # split whole was ~13x its size in small objects before the count was checked.
+    pieces = raw.split(delimiter, _MAX_PARTS + 1)
+    if len(pieces) == _MAX_PARTS + 2 and delimiter in pieces[-1]:
+        raise BadRequest(f"more than {_MAX_PARTS} form parts")
     if len(pieces) < 3 or not pieces[-1].startswith(b"--"):
         raise BadRequest("malformed multipart body: no closing boundary")
     parts = []
     for piece in pieces[1:-1]:
-        if len(parts) >= _MAX_PARTS:
-            raise BadRequest(f"more than {_MAX_PARTS} form parts")
         if not piece.startswith(b"\r\n") or not piece.endswith(b"\r\n"):
             raise BadRequest("malformed multipart body: a part is not delimited by CRLF")
         head, sep, data = piece[2:-2].partition(b"\r\n\r\n")
         if not sep:
             raise BadRequest("malformed multipart body: a part has no header end")
-        name = _NAME.search(head)
-        if name is None or b"form-data" not in head.lower():
-            raise BadRequest("malformed multipart body: a part has no form-data name")
-        is_file = _FILENAME.search(head) is not None
+        name, is_file = _disposition(head)
         if not is_file and len(data) > _MAX_FIELD_BYTES:
-            raise BadRequest(f"form field {quoted(name.group(1).decode(errors='replace'))} is too long")
-        parts.append(_Part(head, name.group(1).decode(errors="replace"), data, is_file))
-    return Form(boundary, tuple(parts))
+            raise BadRequest(f"form field {quoted(name)} is too long")
+        parts.append(_Part(head, name, data, is_file))
+    return Form(boundary.encode(), tuple(parts))
+
+
+def _disposition(head: bytes) -> tuple[str, bool]:
+    """A part's field name and whether it is a file, from its one ``Content-Disposition`` header,
+    read as the engines' form parsers read it. A ``name="…"`` or ``filename=`` elsewhere in the
+    head is no name: matched anywhere, a crafted part showed the gateway one ``model`` (checked
+    against the tenant's models) while the engine read another."""
+    disposition = None
+    for line in head.split(b"\r\n"):
+        header, colon, value = line.partition(b":")
+        if not colon or not header.strip() or header[:1] in b" \t":
+            raise BadRequest("malformed multipart body: a part header is not 'Name: value'")
+        if header.strip().lower() == b"content-disposition":
+            if disposition is not None:
+                raise BadRequest("malformed multipart body: a part has two Content-Disposition headers")
+            disposition = value.strip()
+    if disposition is None or disposition[:9].lower() != b"form-data":
+        raise BadRequest("malformed multipart body: a part has no form-data Content-Disposition")
+    params: dict[bytes, bytes] = {}
+    at = 9
+    while at < len(disposition):
+        param = _PARAM.match(disposition, at)
+        if param is None:
+            raise BadRequest("malformed multipart body: a Content-Disposition parameter is not key=value")
+        key = param.group(1).lower()
+        if key in params:
+            raise BadRequest(f"malformed multipart body: a part's {key.decode()!r} is given twice")
+        quoted_value = param.group(2)
+        params[key] = _ESCAPED.sub(rb"\1", quoted_value) if quoted_value is not None else param.group(3)
+        at = param.end()
+    name = params.get(b"name")
+    if name is None or b"name*" in params:
+        raise BadRequest("malformed multipart body: a part has no plain form-data name")
+    return name.decode(errors="replace"), b"filename" in params or b"filename*" in params

@@ -134,9 +134,11 @@ def _session_id(headers: Mapping[str, str], body: dict[str, Any], options: Parse
 _ENGINE_PD_FIELDS = frozenset({"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
 
 
-def _without_engine_fields(body: dict[str, Any]) -> bytes:
+def _without_engine_fields(body: dict[str, Any], form: Form | None) -> bytes:
     for name in _ENGINE_PD_FIELDS:
         body.pop(name, None)
+    if form is not None:  # an audio form's text fields: the same parts without these
+        return form.encode(body)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -192,8 +194,8 @@ def parse_request(
         )
     if numbers is not None:
         numbers.check_all()
-    if form is None and not _ENGINE_PD_FIELDS.isdisjoint(body):
-        raw_body = _without_engine_fields(body)
+    if not _ENGINE_PD_FIELDS.isdisjoint(body):
+        raw_body = _without_engine_fields(body, form)
     return InferenceRequest(
         request_id=request_id,
         api=api,

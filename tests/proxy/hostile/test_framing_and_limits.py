@@ -234,3 +234,37 @@ async def test_a_client_that_stops_reading_is_cut_as_gone_not_blamed_on_the_upst
     finally:
         for sock in socks:
             sock.close()
+
+
+async def test_a_client_that_never_reads_a_big_answer_loses_its_connection(
+    start_upstream, start_gateway
+) -> None:
+    """A 32 MB non-streamed answer (an embeddings batch) to a client that never reads: aiohttp
+    wrote bodies with no deadline, so the connection and the whole body were held for ever
+    (review finding). Now each slice waits ``timeouts.idle_s`` at most, as a stream's events do."""
+    upstream = await start_upstream()
+    upstream.mode, upstream.status = "status", 200
+    upstream.body, upstream.content_type = b'{"data": "' + b"x" * (32 << 20) + b'"}', "application/json"
+    gw = await start_gateway([upstream.url], timeouts={"idle_s": 1.0})
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    body = json.dumps({"model": "tiny", "input": "hi"}).encode()
+    sock.send(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    try:
+        await asyncio.sleep(4.0)  # never reading, four idle timeouts long
+        received = 0
+        try:
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5.0):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert 0 < received < 32 << 20, received  # old: the whole body, however late
+    finally:
+        sock.close()

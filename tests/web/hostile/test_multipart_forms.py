@@ -1,0 +1,143 @@
+"""Hostile audio forms (multipart/form-data), over real sockets (review findings, each failing before).
+
+- a part's name and file-ness come from its Content-Disposition only, as the engine's parser
+  reads them: a ``name="model"`` in another header showed the gateway one model (checked
+  against the tenant's models) and the engine another;
+- a body of delimiters is refused without splitting it all (~13x its size in memory);
+- a boundary outside RFC 2046's characters is a 400, not a 500;
+- fields the gateway drops (a tenant's ``priority``, the engines' P/D hand-over fields) are
+  dropped from forms too.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import yaml
+
+from gateway.auth import hash_key
+from gateway.errors import BadRequest
+from gateway.request.multipart import parse_form
+
+KEY = "sk-form-tenant"
+AUDIO = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256))
+
+
+def _keys(tmp_path, **tenant) -> str:
+    path = tmp_path / "keys.yaml"
+    path.write_text(
+        yaml.safe_dump({"tenants": {"t": tenant}, "keys": [{"sha256": hash_key(KEY), "tenant": "t"}]})
+    )
+    return str(path)
+
+
+def _part(headers: str, data: bytes, boundary: bytes = b"b0undary") -> bytes:
+    return b"--" + boundary + b"\r\n" + headers.encode() + b"\r\n\r\n" + data + b"\r\n"
+
+
+def _form(*parts: bytes, boundary: bytes = b"b0undary") -> bytes:
+    return b"".join(parts) + b"--" + boundary + b"--\r\n"
+
+
+async def _post(http, gw, body: bytes, content_type: str = "multipart/form-data; boundary=b0undary"):
+    headers = {"content-type": content_type, "authorization": f"Bearer {KEY}"}
+    async with http.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_a_name_outside_the_content_disposition_is_no_name(
+    start_upstream, start_gateway, http, tmp_path
+):
+    upstream = await start_upstream(models=("allowed", "secret-adapter"))
+    auth = {"enabled": True, "keys_file": _keys(tmp_path, models=["allowed"])}
+    gw = await start_gateway([upstream.url], auth=auth)
+    file = _part('Content-Disposition: form-data; name="file"; filename="a.wav"', AUDIO)
+    honest = _form(file, _part('Content-Disposition: form-data; name="model"', b"secret-adapter"))
+    crafted = _form(
+        file,
+        _part('Content-Disposition: form-data; name="model"\r\nX-Note: filename=none', b"secret-adapter"),
+        _part('Content-Disposition: form-data; name="prompt"\r\nX-Note: name="model"', b"allowed"),
+    )
+    assert (await _post(http, gw, honest))[0] == 403
+    status, body = await _post(http, gw, crafted)
+    assert status == 403, body  # old: 200, transcribed by secret-adapter
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    ("head", "message"),
+    [
+        (
+            'Content-Disposition: form-data; name="a"\r\nContent-Disposition: form-data; name="b"',
+            "two Content",
+        ),
+        ('Content-Disposition: form-data; name="model"; name="x"', "given twice"),
+        ("Content-Disposition: form-data; name*=utf-8''model", "no plain form-data name"),
+        ('Content-Type: text/plain; name="model"', "no form-data Content-Disposition"),
+        ("Content-Disposition: form-data; name", "not key=value"),
+        (' folded: name="model"', "not 'Name: value'"),
+    ],
+)
+def test_ambiguous_part_heads_are_refused(head: str, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        parse_form(_form(_part(head, b"x")), "multipart/form-data; boundary=b0undary")
+
+
+def test_quoted_names_are_read_as_the_engines_read_them() -> None:
+    form = parse_form(
+        _form(
+            _part('Content-Disposition: form-data; name="a\\"b"; filename="x"', b"1"),
+            _part('Content-Disposition: form-data; filename="C:\\\\dir\\\\f.wav"; name="file"', AUDIO),
+            _part("Content-Disposition: form-data; name=model", b"whisper"),
+        ),
+        'multipart/form-data; boundary="b0undary"',
+    )
+    assert [(p.name, p.is_file) for p in form.parts] == [('a"b', True), ("file", True), ("model", False)]
+
+
+def test_a_body_of_delimiters_is_refused_without_splitting_it_all() -> None:
+    body = b"--aXY" * 1_000_000  # 5 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest, match="more than 64 form parts"):
+            parse_form(body, "multipart/form-data; boundary=a")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(body), peak  # old: ~13x (a million small bytes objects)
+
+
+@pytest.mark.parametrize("boundary", ["ab\udcff", "ab€", "é", "a" * 71, "ends-in-space ", ""])
+async def test_a_boundary_outside_rfc_2046_is_a_400(start_upstream, start_gateway, http, boundary) -> None:
+    upstream = await start_upstream(models=("whisper",))
+    gw = await start_gateway([upstream.url])
+    encoded = boundary.encode("utf-8", "surrogateescape")
+    body = _form(_part('Content-Disposition: form-data; name="model"', b"whisper", encoded), boundary=encoded)
+    content_type = b'multipart/form-data; boundary="' + encoded + b'"'
+    async with http.post(
+        gw.url + "/v1/audio/transcriptions",
+        data=body,
+        headers={"content-type": content_type.decode("latin-1")},
+    ) as resp:
+        assert resp.status == 400, await resp.text()  # old: 500 for the non-ASCII ones
+        assert "boundary" in (await resp.json())["error"]["message"]
+    assert upstream.requests == []
+
+
+async def test_dropped_fields_are_dropped_from_forms(start_upstream, start_gateway, http, tmp_path) -> None:
+    upstream = await start_upstream(models=("whisper",))
+    gw = await start_gateway([upstream.url], auth={"enabled": True, "keys_file": _keys(tmp_path)})
+    body = _form(
+        _part('Content-Disposition: form-data; name="file"; filename="a.wav"', AUDIO),
+        _part('Content-Disposition: form-data; name="model"', b"whisper"),
+        _part('Content-Disposition: form-data; name="priority"', b"-100"),
+        _part('Content-Disposition: form-data; name="bootstrap_host"', b"10.0.0.9"),
+        _part('Content-Disposition: form-data; name="language"', b"en"),
+    )
+    status, answer = await _post(http, gw, body)
+    assert status == 200, answer
+    (received,) = upstream.requests
+    forwarded = parse_form(received.raw, received.headers["content-type"])
+    assert forwarded.fields() == {"model": "whisper", "language": "en"}  # old: priority, bootstrap_host too
+    assert [p.data for p in forwarded.parts if p.is_file] == [AUDIO]
