@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.errors import BadRequest
 from gateway.request.guards import refused_number_text
-from gateway.request.prompt import canonical_chat_prompt, text_or_tokens
+from gateway.request.prompt import canonical_chat_prompt, media_placeholder, text_or_tokens
 from gateway.request.types import FORM_APIS, ApiKind
 
 __all__ = ["api_prompt"]
@@ -63,7 +63,7 @@ def _part_text(part: Any, where: str) -> str:
         return text
     if kind in ("tool_use", "tool_result", "function_call", "function_call_output", "thinking"):
         return f"<{kind}>" + _json(_strip(part))
-    return f"<{kind}>"  # images, files, documents: a stable placeholder keeps the prefix aligned
+    return media_placeholder(part)  # images, files, documents
 
 
 def _content(content: Any, where: str) -> str:
