@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,8 @@ class Params:
         value = self._values.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"parameters.{key}: expected a number, got {_shown(value)}")
+        if not math.isfinite(value):  # NaN passes every comparison: a NaN tolerance tied nothing
+            raise ValueError(f"parameters.{key}: expected a finite number, got {value}")
         if (low is not None and value < low) or (high is not None and value > high):
             raise ValueError(f"parameters.{key}: {value} is outside [{low}, {high}]")
         return float(value)

@@ -1,8 +1,11 @@
-"""Picker ``round-robin``: cycles through the candidates in a stable (URL) order."""
+"""Picker ``round-robin``: cycles through the candidates in a stable (URL) order.
+
+One cycle per candidate set (a model's replicas, a profile's pool): one counter shared by all
+sent every other request of two interleaved models to the same replica of each (review finding:
+an embed-then-chat pipeline put 20 of 20 chat requests on one of its two replicas)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,14 +17,22 @@ from policies.params import Params
 TYPE_NAME = "round-robin"
 
 
+_MAX_SETS = 4096  # candidate sets remembered; past it, every cycle starts again
+
+
 class RoundRobinPicker:
     def __init__(self, name: str) -> None:
         self.name = name
-        self._counter = itertools.count()
+        self._next: dict[tuple[str, ...], int] = {}
 
     def pick(self, request: InferenceRequest, scored: list[ScoredEndpoint]) -> list[ScoredEndpoint]:
         ordered = sorted(scored, key=lambda s: s.endpoint.url)
-        start = next(self._counter) % len(ordered)
+        key = tuple(s.endpoint.url for s in ordered)
+        turn = self._next.get(key, 0)
+        if turn == 0 and len(self._next) >= _MAX_SETS:
+            self._next.clear()
+        self._next[key] = turn + 1
+        start = turn % len(ordered)
         return ordered[start:] + ordered[:start]
 
 

@@ -58,3 +58,10 @@ def test_bad_parameters_name_the_key(params):
     key = next(iter(params))
     with pytest.raises(ConfigError, match=rf"plugins\.0\.parameters\.{key}"):
         make_plugin("max-score", params)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_parameters_are_refused(value):
+    """A NaN tolerance passed the range check and tied nothing: every request to one replica."""
+    with pytest.raises(ConfigError, match="finite"):
+        make_plugin("max-score", {"tolerance": value})

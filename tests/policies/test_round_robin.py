@@ -38,3 +38,15 @@ def test_instances_keep_separate_counters():
 def test_rejects_parameters():
     with pytest.raises(ConfigError, match=r"plugins\.0\.parameters\.start"):
         make_plugin("round-robin", {"start": 1})
+
+
+def test_each_candidate_set_has_its_own_cycle():
+    """Two models' requests interleaved (an embed-then-chat pipeline): one shared counter sent
+    every chat request to the same one of its two replicas (review finding)."""
+    picker = make_plugin("round-robin")
+    chat, embed = (endpoint(1), endpoint(2)), (endpoint(3), endpoint(4))
+    firsts = Counter()
+    for _ in range(20):
+        for pool in (embed, chat):
+            firsts[picker.pick(request(), scored(*((e, 0.0) for e in pool)))[0].endpoint] += 1
+    assert firsts == dict.fromkeys((*chat, *embed), 10)  # old: chat 20/0, embed 0/20
