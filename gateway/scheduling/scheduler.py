@@ -27,6 +27,7 @@ __all__ = ["PLUGIN_TIMING_EVERY", "Profile", "Scheduler", "WeightedScorer"]
 # Plugin latency histograms sample one request in this many: the observations (a lock
 # and a bucket search each, for every plugin) cost more than most plugins themselves.
 PLUGIN_TIMING_EVERY = 8
+_FAILURE_LOG_EVERY_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,23 @@ class Scheduler:
         # (kind, name) → histogram child, resolved once
         self._plugin_timer: dict[tuple[PluginKind, str], Any] = {}
         self._requests = 0
+        self._failure_logged: dict[str, float] = {}  # plugin name -> when its failure was last logged
         self.preparers = [
             ws.scorer
             for profile in profiles.values()
             for ws in profile.scorers
             if isinstance(ws.scorer, PreparingPlugin)
         ]
+
+    def _failed(self, kind: PluginKind, name: str) -> None:
+        """A plugin raised: logged with its traceback, at most once a minute per plugin (a
+        third-party scorer that divided by zero for some prompts made those requests 500s)."""
+        now = time.monotonic()
+        if now - self._failure_logged.get(name, -_FAILURE_LOG_EVERY_S) >= _FAILURE_LOG_EVERY_S:
+            self._failure_logged[name] = now
+            log.exception(
+                "%s plugin %r failed; skipped for this request (logged once a minute)", kind.value, name
+            )
 
     def _timer(self, kind: PluginKind, name: str):
         key = (kind, name)
@@ -79,7 +91,10 @@ class Scheduler:
     async def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> SchedulingResult:
         started = time.perf_counter()
         for plugin in self.preparers:
-            await plugin.prepare(request, endpoints)
+            try:
+                await plugin.prepare(request, endpoints)
+            except Exception:  # its scores then come from what it has, or are skipped too
+                self._failed(PluginKind.SCORER, getattr(plugin, "name", type(plugin).__name__))
         results: dict[str, list[ScoredEndpoint]] = {}
         self._requests += 1
         timed = self._requests % PLUGIN_TIMING_EVERY == 0
@@ -115,7 +130,10 @@ class Scheduler:
         candidates: list[Endpoint] = list(endpoints)
         for flt in profile.filters:
             t0 = time.perf_counter() if timed else 0.0
-            candidates = flt.filter(request, candidates)
+            try:
+                candidates = flt.filter(request, candidates)
+            except Exception:  # skipped for this request: the candidates as they were
+                self._failed(PluginKind.FILTER, flt.name)
             if timed:
                 self._timer(PluginKind.FILTER, flt.name).observe(time.perf_counter() - t0)
             if not candidates:
@@ -130,7 +148,11 @@ class Scheduler:
         for weighted in profile.scorers:
             scorer = weighted.scorer
             t0 = time.perf_counter() if timed else 0.0
-            raw = scorer.score(request, candidates)
+            try:
+                raw = scorer.score(request, candidates)
+            except Exception:  # a plugin's fault costs its own say in this request, not the request
+                self._failed(PluginKind.SCORER, scorer.name)
+                raw = {}
             if timed:
                 self._timer(PluginKind.SCORER, scorer.name).observe(time.perf_counter() - t0)
             name, weight = scorer.name, weighted.weight
