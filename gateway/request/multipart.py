@@ -19,10 +19,12 @@ __all__ = ["Form", "parse_form"]
 # split on one way here and written another way in the forwarded Content-Type.
 _BOUNDARY = re.compile(r'boundary=(?:"([^"]*)"|([^";\s]*))', re.IGNORECASE)
 _BCHARS = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
-# Content-Disposition's parameters: a token, "=", a token or a quoted string whose backslash
-# escapes a character (as the engines' parser, python-multipart, reads it: the same bounds).
-_PARAM = re.compile(rb'\s*;\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;"\s]+))\s*')
-_ESCAPED = re.compile(rb"\\(.)")
+# Content-Disposition's parameters: a token, "=", a token or a quoted string. No backslash
+# anywhere: parsers disagree on escapes (python-multipart, vLLM's, unescapes only \\ and \",
+# and splits parameters on quotes without minding an escaped backslash), and a disagreement
+# on where a value ends is a disagreement on the part's name.
+_PARAM = re.compile(rb'\s*;\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*(?:"([^"]*)"|([^;"\s]+))\s*')
+_TRAILING = re.compile(rb"\s*;?\s*")
 _MAX_FIELD_BYTES = 65536
 _MAX_PARTS = 64
 
@@ -66,12 +68,14 @@ class Form:
         they came): a field the gateway dropped (a tenant's ``priority``) must not reach the engine."""
         seen: set[str] = set()
         chunks: list[bytes] = []
+        was = self.fields()
         for part in self.parts:
             data = part.data
             if not part.is_file:
                 if part.name not in fields:
                     continue
-                data = _text(fields[part.name])
+                if part.name not in was or _text(fields[part.name]) != _text(was[part.name]):
+                    data = _text(fields[part.name])  # changed; unchanged, a repeated field keeps each value
                 seen.add(part.name)
             chunks.append(b"--" + self.boundary + b"\r\n" + part.headers + b"\r\n\r\n" + data + b"\r\n")
         for name, value in fields.items():
@@ -137,19 +141,22 @@ def _disposition(head: bytes) -> tuple[str, bool]:
             disposition = value.strip()
     if disposition is None or disposition[:9].lower() != b"form-data":
         raise BadRequest("malformed multipart body: a part has no form-data Content-Disposition")
+    if b"\\" in disposition:
+        raise BadRequest("multipart body: a Content-Disposition with a backslash is refused (ambiguous)")
     params: dict[bytes, bytes] = {}
     at = 9
-    while at < len(disposition):
+    while not _TRAILING.fullmatch(disposition, at):
         param = _PARAM.match(disposition, at)
         if param is None:
             raise BadRequest("malformed multipart body: a Content-Disposition parameter is not key=value")
+        at = param.end()
         key = param.group(1).lower()
+        if key.endswith(b"*"):  # RFC 5987 forms: python-multipart ignores them, and so does this
+            continue
         if key in params:
             raise BadRequest(f"malformed multipart body: a part's {key.decode()!r} is given twice")
-        quoted_value = param.group(2)
-        params[key] = _ESCAPED.sub(rb"\1", quoted_value) if quoted_value is not None else param.group(3)
-        at = param.end()
+        params[key] = param.group(2) if param.group(2) is not None else param.group(3)
     name = params.get(b"name")
-    if name is None or b"name*" in params:
-        raise BadRequest("malformed multipart body: a part has no plain form-data name")
-    return name.decode(errors="replace"), b"filename" in params or b"filename*" in params
+    if name is None:
+        raise BadRequest("malformed multipart body: a part has no form-data name")
+    return name.decode(errors="replace"), b"filename" in params

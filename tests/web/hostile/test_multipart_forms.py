@@ -15,6 +15,7 @@ import tracemalloc
 
 import pytest
 import yaml
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from gateway.auth import hash_key
 from gateway.errors import BadRequest
@@ -73,10 +74,12 @@ async def test_a_name_outside_the_content_disposition_is_no_name(
             "two Content",
         ),
         ('Content-Disposition: form-data; name="model"; name="x"', "given twice"),
-        ("Content-Disposition: form-data; name*=utf-8''model", "no plain form-data name"),
+        ("Content-Disposition: form-data; name*=utf-8''model", "no form-data name"),
         ('Content-Type: text/plain; name="model"', "no form-data Content-Disposition"),
         ("Content-Disposition: form-data; name", "not key=value"),
         (' folded: name="model"', "not 'Name: value'"),
+        ('Content-Disposition: form-data; name="\\model"', "backslash"),
+        ('Content-Disposition: form-data; name="x\\\\"; foo="; name=model; bar="', "backslash"),
     ],
 )
 def test_ambiguous_part_heads_are_refused(head: str, message: str) -> None:
@@ -84,16 +87,84 @@ def test_ambiguous_part_heads_are_refused(head: str, message: str) -> None:
         parse_form(_form(_part(head, b"x")), "multipart/form-data; boundary=b0undary")
 
 
-def test_quoted_names_are_read_as_the_engines_read_them() -> None:
-    form = parse_form(
-        _form(
-            _part('Content-Disposition: form-data; name="a\\"b"; filename="x"', b"1"),
-            _part('Content-Disposition: form-data; filename="C:\\\\dir\\\\f.wav"; name="file"', AUDIO),
-            _part("Content-Disposition: form-data; name=model", b"whisper"),
-        ),
-        'multipart/form-data; boundary="b0undary"',
-    )
-    assert [(p.name, p.is_file) for p in form.parts] == [('a"b', True), ("file", True), ("model", False)]
+def _engine_reads(body: bytes, boundary: bytes = b"b0undary") -> list[tuple[str, bool, bytes]]:
+    """The parts as vLLM's form parser reads them: python-multipart's parser and its
+    Content-Disposition reading (Starlette: a part with a ``filename`` is a file)."""
+    parts: list[tuple[str, bool, bytes]] = []
+    current: dict = {}
+
+    def on_part_begin() -> None:
+        current.clear()
+        current.update(headers={}, field=b"", value=b"", data=bytearray())
+
+    def on_header_field(data, start, end) -> None:
+        current["field"] += data[start:end]
+
+    def on_header_value(data, start, end) -> None:
+        current["value"] += data[start:end]
+
+    def on_header_end() -> None:
+        current["headers"][current["field"].lower()] = current["value"]
+        current["field"], current["value"] = b"", b""
+
+    def on_part_data(data, start, end) -> None:
+        current["data"] += data[start:end]
+
+    def on_part_end() -> None:
+        _, options = parse_options_header(current["headers"].get(b"content-disposition", b""))
+        parts.append((options[b"name"].decode(), b"filename" in options, bytes(current["data"])))
+
+    callbacks = {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+    }
+    parser = MultipartParser(boundary, callbacks)
+    parser.write(body)
+    parser.finalize()
+    return parts
+
+
+_FILE = _part('Content-Disposition: form-data; name="file"; filename="a.wav"', AUDIO)
+_SMUGGLED = {  # the re-review's three, and the first review's
+    "filename* is no file to the engine": _form(
+        _FILE,
+        _part('Content-Disposition: form-data; name="model"', b"allowed"),
+        _part("Content-Disposition: form-data; name=\"model\"; filename*=UTF-8''a.wav", b"secret-adapter"),
+    ),
+    "a backslash before an ordinary character": _form(
+        _FILE,
+        _part('Content-Disposition: form-data; name="model"', b"secret-adapter"),
+        _part('Content-Disposition: form-data; name="\\model"', b"allowed"),
+    ),
+    "an escaped backslash before a quote": _form(
+        _FILE,
+        _part('Content-Disposition: form-data; name="model"', b"allowed"),
+        _part('Content-Disposition: form-data; name="x\\\\"; foo="; name=model; bar="', b"secret-adapter"),
+    ),
+    "a name in another header": _form(
+        _FILE,
+        _part('Content-Disposition: form-data; name="model"\r\nX-Note: filename=none', b"secret-adapter"),
+        _part('Content-Disposition: form-data; name="prompt"\r\nX-Note: name="model"', b"allowed"),
+    ),
+    "a trailing semicolon": _form(_FILE, _part('Content-Disposition: form-data; name="model";', b"allowed")),
+    "tokens, not quoted strings": _form(
+        _FILE, _part("Content-Disposition: form-data; name=model", b"allowed")
+    ),
+}
+
+
+@pytest.mark.parametrize("body", list(_SMUGGLED.values()), ids=list(_SMUGGLED))
+def test_the_gateway_reads_a_form_as_the_engine_does_or_refuses_it(body: bytes) -> None:
+    try:
+        form = parse_form(body, "multipart/form-data; boundary=b0undary")
+    except BadRequest:
+        return  # refused: nothing reaches the engine
+    mine = [(p.name, p.is_file, p.data) for p in form.parts]
+    assert mine == _engine_reads(body)
 
 
 def test_a_body_of_delimiters_is_refused_without_splitting_it_all() -> None:
@@ -134,10 +205,15 @@ async def test_dropped_fields_are_dropped_from_forms(start_upstream, start_gatew
         _part('Content-Disposition: form-data; name="priority"', b"-100"),
         _part('Content-Disposition: form-data; name="bootstrap_host"', b"10.0.0.9"),
         _part('Content-Disposition: form-data; name="language"', b"en"),
+        _part('Content-Disposition: form-data; name="timestamp_granularities[]"', b"word"),
+        _part('Content-Disposition: form-data; name="timestamp_granularities[]"', b"segment"),
     )
     status, answer = await _post(http, gw, body)
     assert status == 200, answer
     (received,) = upstream.requests
     forwarded = parse_form(received.raw, received.headers["content-type"])
-    assert forwarded.fields() == {"model": "whisper", "language": "en"}  # old: priority, bootstrap_host too
+    fields = forwarded.fields()
+    assert fields == {"model": "whisper", "language": "en", "timestamp_granularities[]": "segment"}  # old: +2
+    repeated = [p.data for p in forwarded.parts if p.name == "timestamp_granularities[]"]
+    assert repeated == [b"word", b"segment"]  # each its own value (re-encoded, they were the last one's)
     assert [p.data for p in forwarded.parts if p.is_file] == [AUDIO]
