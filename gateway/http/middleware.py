@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable
 
 from aiohttp import web
 
@@ -241,33 +242,54 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
-_BOUNDED_SEND_BYTES = 1 << 18
+_BOUNDED_SEND_BYTES = 1 << 18  # answers past this are written a slice at a time
+_SEND_SLICE_BYTES = 1 << 14  # small: each slice's wait is the client's idle time, not its reading speed
 
 
 async def _send_bounded(request: web.Request, response: web.Response, idle_s: float) -> web.StreamResponse:
-    """A big answer (an embeddings batch, up to ``limits.max_response_bytes``) written a slice at
-    a time, each wait for the client bounded by ``timeouts.idle_s`` as a stream's are: aiohttp
-    writes a body with no deadline, and a client that never read held its connection and the
-    whole body in memory for ever. One that stops reading loses its connection."""
+    """A big answer (an embeddings batch, up to ``limits.max_response_bytes``) written 16 KiB at
+    a time; a client that takes nothing of it for ``timeouts.idle_s`` loses its connection, as
+    a stream's does. aiohttp writes a body with no deadline: a client that never read held its
+    connection and the whole body in memory for ever. A slow client that keeps reading is never
+    cut (a deadline per slice cut one reading 160 KiB/s: a slice can wait on many reads)."""
     body = response.body
-    if not isinstance(body, bytes) or len(body) <= _BOUNDED_SEND_BYTES:
+    if not isinstance(body, bytes) or len(body) <= _BOUNDED_SEND_BYTES or request.method == "HEAD":
         return response  # the common case: aiohttp writes it, and the socket's buffer takes it
     out = web.StreamResponse(status=response.status, reason=response.reason, headers=response.headers)
     out.content_length = len(body)
     view = memoryview(body)
     try:
-        async with asyncio.timeout(idle_s):
-            await out.prepare(request)
-        for start in range(0, len(view), _BOUNDED_SEND_BYTES):
-            async with asyncio.timeout(idle_s):
-                await out.write(view[start : start + _BOUNDED_SEND_BYTES])
-        await out.write_eof()
+        await _unless_idle(request, out.prepare(request), idle_s)
+        for start in range(0, len(view), _SEND_SLICE_BYTES):
+            await _unless_idle(request, out.write(view[start : start + _SEND_SLICE_BYTES]), idle_s)
+        await _unless_idle(request, out.write_eof(), idle_s)
     except TimeoutError:
         log.info("request %s: the client stopped reading its answer", request.get(REQUEST_ID))
         if request.transport is not None:
             request.transport.abort()
         raise ConnectionResetError("the client stopped reading its answer") from None
     return out
+
+
+async def _unless_idle(request: web.Request, write: Awaitable[object], idle_s: float) -> None:
+    """Await ``write``; TimeoutError once the client took nothing for ``idle_s`` (the transport's
+    buffer did not shrink), however long the write takes while it keeps reading."""
+    task = asyncio.ensure_future(write)
+    if task.done():
+        task.result()
+        return
+    transport = request.transport
+    try:
+        while True:
+            waiting = transport.get_write_buffer_size() if transport is not None else 0
+            done, _ = await asyncio.wait((task,), timeout=idle_s)
+            if done:
+                task.result()
+                return
+            if transport is None or transport.get_write_buffer_size() >= waiting:
+                raise TimeoutError
+    finally:
+        task.cancel()
 
 
 def _route(request: web.Request) -> str:

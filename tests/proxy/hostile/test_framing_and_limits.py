@@ -268,3 +268,54 @@ async def test_a_client_that_never_reads_a_big_answer_loses_its_connection(
         assert 0 < received < 32 << 20, received  # old: the whole body, however late
     finally:
         sock.close()
+
+
+async def test_a_steady_slow_reader_of_a_big_answer_is_not_cut(start_upstream, start_gateway) -> None:
+    """Reading 16 KiB every 0.1 s, never idle for ``idle_s`` (1 s): the whole 4 MB arrives (the
+    first bounded writer timed a whole 256 KiB slice, and cut this reader at 2.8 MB)."""
+    upstream = await start_upstream()
+    upstream.mode, upstream.status = "status", 200
+    upstream.body, upstream.content_type = b'{"data": "' + b"x" * (4 << 20) + b'"}', "application/json"
+    gw = await start_gateway([upstream.url], timeouts={"idle_s": 1.0})
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 14)
+    body = json.dumps({"model": "tiny", "input": "hi"}).encode()
+    writer.write(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    received = 0
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 14), 5.0):
+            received += len(chunk)
+            if received > len(upstream.body):
+                break
+            await asyncio.sleep(0.1 * len(chunk) / (1 << 14))  # ~160 KiB/s, never a pause of 1 s
+    finally:
+        writer.close()
+    assert received > len(upstream.body), received  # headers and the whole body
+
+
+async def test_head_of_a_big_answer_has_no_body(start_upstream, start_gateway) -> None:
+    """HEAD /metrics of a 400-endpoint gateway (past 256 KiB): the bounded writer sent the body
+    after the headers, which a keep-alive client then read as its next answer."""
+    upstream = await start_upstream()
+    gw = await start_gateway([upstream.url] + [f"http://127.0.0.1:{10 + i}" for i in range(400)])
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[
+            1
+        ]
+    )
+    assert length > 1 << 18  # big enough to be written by the bounded writer
+    await reader.readexactly(length)
+    writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")  # HEAD's headers
+    try:
+        after = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5.0)
+        assert after.startswith(b"HTTP/1.1 200"), after[:60]  # the next answer, not a body
+    finally:
+        writer.close()
