@@ -132,8 +132,9 @@ class Scheduler:
             t0 = time.perf_counter() if timed else 0.0
             try:
                 candidates = flt.filter(request, candidates)
-            except Exception:  # skipped for this request: the candidates as they were
+            except Exception:  # a filter is a constraint (a pool's role, residency): fails closed
                 self._failed(PluginKind.FILTER, flt.name)
+                candidates = []
             if timed:
                 self._timer(PluginKind.FILTER, flt.name).observe(time.perf_counter() - t0)
             if not candidates:

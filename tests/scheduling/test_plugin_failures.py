@@ -1,8 +1,9 @@
-"""A plugin that raises costs its own say in a request, never the request (review finding).
+"""A plugin that raises: a scorer or preparer costs its own say in the request, never the
+request; a filter (a constraint: a pool's role, residency) fails closed (review findings).
 
-A third-party scorer that divided by zero for some prompt lengths made those requests 500s.
-Now a failing scorer scores nothing, a failing filter removes nothing and a failing
-preparer is skipped, each logged once a minute. Real gateway, real replicas.
+A third-party scorer that divided by zero for some prompt lengths made those requests 500s;
+a filter that raised, let through, sent requests where the constraint forbade. Each failure
+is logged with its traceback once a minute. Real gateway, real replicas.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class _Broken:
 
 
 @pytest.mark.parametrize("kind", [PluginKind.SCORER, PluginKind.FILTER])
-async def test_a_failing_plugin_is_skipped_not_a_500(
+async def test_a_failing_plugin_is_skipped_or_fails_closed(
     start_upstream, start_gateway, http, caplog, kind
 ) -> None:
     registry = default_registry(load_entry_points=False)
@@ -59,7 +60,10 @@ async def test_a_failing_plugin_is_skipped_not_a_500(
             body = {"model": "m", "messages": [{"role": "user", "content": "x" * i}], "max_tokens": 2}
             async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 statuses.append(resp.status)
-    assert statuses == [200] * 12  # old: a 500 for every prompt length the plugin failed on
+    if kind is PluginKind.SCORER:
+        assert statuses == [200] * 12  # old: a 500 for every prompt length the plugin failed on
+    else:  # a filter that raises leaves no candidate: 503, never a replica it might have excluded
+        assert statuses == [503] * 12
     failures = [r for r in caplog.records if "plugin 'broken' failed" in r.getMessage()]
     assert len(failures) == 1  # logged with its traceback, once a minute, not once a request
     assert failures[0].exc_info is not None
