@@ -17,16 +17,13 @@ from typing import Any
 
 from gateway.errors import BadRequest
 from gateway.request.guards import refused_number_text
-from gateway.request.prompt import canonical_chat_prompt, media_placeholder, text_or_tokens
+from gateway.request.prompt import NOT_PROMPT, canonical_chat_prompt, media_placeholder, text_or_tokens
 from gateway.request.types import FORM_APIS, ApiKind
 
 __all__ = ["api_prompt"]
 
 _ROLE_SEP = "\x1e"
 _MSG_SEP = "\x1f"
-# Block fields that say nothing about the prompt's text (Anthropic moves its cache
-# breakpoints every turn; ids are the client's bookkeeping).
-_NOT_PROMPT = frozenset({"cache_control", "id", "status", "citations"})
 
 
 def _json(value: Any) -> str:
@@ -46,7 +43,7 @@ def _tools(body: dict[str, Any]) -> str:
 
 def _strip(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in _NOT_PROMPT}
+        return {k: _strip(v) for k, v in value.items() if k not in NOT_PROMPT}
     return value
 
 

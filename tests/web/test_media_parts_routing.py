@@ -44,6 +44,23 @@ def test_equal_images_hash_alike_and_different_ones_do_not() -> None:
         assert len(texts) == 2, (api, texts)
 
 
+def test_an_image_hashes_alike_whatever_its_cache_breakpoint() -> None:
+    """Anthropic clients move ``cache_control`` from block to block every turn: the same image
+    with and without it is the same prefix (re-review: it was hashed in, and turn 2 diverged)."""
+    source = {"type": "base64", "media_type": "image/png", "data": "iVBOR" * 1000}
+    marked = {"type": "image", "source": source, "cache_control": {"type": "ephemeral"}}
+
+    def prompt(image: dict) -> str:
+        body = {
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}],
+        }
+        return api_prompt(ApiKind.MESSAGES, body)
+
+    assert prompt(marked) == prompt({"type": "image", "source": source})
+    assert prompt(marked) != prompt({"type": "image", "source": {**source, "data": "other"}})
+
+
 async def test_new_images_are_no_cache_hit_and_spread(start_upstream, start_gateway, http) -> None:
     upstreams = [await start_upstream(models=("m",)) for _ in range(3)]
     gw = await start_gateway([u.url for u in upstreams])  # the default policy: prefix-aware
