@@ -50,3 +50,16 @@ def test_each_candidate_set_has_its_own_cycle():
         for pool in (embed, chat):
             firsts[picker.pick(request(), scored(*((e, 0.0) for e in pool)))[0].endpoint] += 1
     assert firsts == dict.fromkeys((*chat, *embed), 10)  # old: chat 20/0, embed 0/20
+
+
+def test_two_models_on_one_pool_each_have_their_own_cycle():
+    """Two models (or adapters) served by the same two replicas, called alternately: one cycle
+    per candidate set still sent each model to one replica (re-review finding)."""
+    picker = make_plugin("round-robin")
+    pool = (endpoint(1), endpoint(2))
+    firsts = Counter()
+    for _ in range(20):
+        for model in ("embed", "chat"):
+            first = picker.pick(request(model=model), scored(*((e, 0.0) for e in pool)))[0].endpoint
+            firsts[model, first] += 1
+    assert firsts == {(m, e): 10 for m in ("embed", "chat") for e in pool}  # old: 20/0 and 0/20
