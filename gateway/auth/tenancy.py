@@ -148,8 +148,8 @@ class TenantAuth:
         work the engine did; else, when the client left (``abandoned``) after the request
         was sent to a replica (not while it waited in the gateway's pool or connected), its
         prompt (the replica took it in: a client that gave up on every answer was refunded
-        all of it); else a failed request is refunded in full (no
-        engine did work for it) and a successful one keeps its up-front charge.
+        all of it); else a failed request is refunded in full (no engine did work for it)
+        and a successful one keeps its up-front charge.
         """
         context = request.context
         usage = context.usage
