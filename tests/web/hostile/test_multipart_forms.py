@@ -129,31 +129,31 @@ def _engine_reads(body: bytes, boundary: bytes = b"b0undary") -> list[tuple[str,
 
 
 _FILE = _part('Content-Disposition: form-data; name="file"; filename="a.wav"', AUDIO)
+
+
+def _with_file(*parts: tuple[str, bytes]) -> bytes:
+    """A form of an audio file and these (head, value) text parts."""
+    return _form(_FILE, *(_part(head, value) for head, value in parts))
+
+
+_MODEL = 'Content-Disposition: form-data; name="model"'
 _SMUGGLED = {  # the re-review's three, and the first review's
-    "filename* is no file to the engine": _form(
-        _FILE,
-        _part('Content-Disposition: form-data; name="model"', b"allowed"),
-        _part("Content-Disposition: form-data; name=\"model\"; filename*=UTF-8''a.wav", b"secret-adapter"),
+    "filename* is no file to the engine": _with_file(
+        (_MODEL, b"allowed"), (_MODEL + "; filename*=UTF-8''a.wav", b"secret-adapter")
     ),
-    "a backslash before an ordinary character": _form(
-        _FILE,
-        _part('Content-Disposition: form-data; name="model"', b"secret-adapter"),
-        _part('Content-Disposition: form-data; name="\\model"', b"allowed"),
+    "a backslash before an ordinary character": _with_file(
+        (_MODEL, b"secret-adapter"), ('Content-Disposition: form-data; name="\\model"', b"allowed")
     ),
-    "an escaped backslash before a quote": _form(
-        _FILE,
-        _part('Content-Disposition: form-data; name="model"', b"allowed"),
-        _part('Content-Disposition: form-data; name="x\\\\"; foo="; name=model; bar="', b"secret-adapter"),
+    "an escaped backslash before a quote": _with_file(
+        (_MODEL, b"allowed"),
+        ('Content-Disposition: form-data; name="x\\\\"; foo="; name=model; bar="', b"secret-adapter"),
     ),
-    "a name in another header": _form(
-        _FILE,
-        _part('Content-Disposition: form-data; name="model"\r\nX-Note: filename=none', b"secret-adapter"),
-        _part('Content-Disposition: form-data; name="prompt"\r\nX-Note: name="model"', b"allowed"),
+    "a name in another header": _with_file(
+        (_MODEL + "\r\nX-Note: filename=none", b"secret-adapter"),
+        ('Content-Disposition: form-data; name="prompt"\r\nX-Note: name="model"', b"allowed"),
     ),
-    "a trailing semicolon": _form(_FILE, _part('Content-Disposition: form-data; name="model";', b"allowed")),
-    "tokens, not quoted strings": _form(
-        _FILE, _part("Content-Disposition: form-data; name=model", b"allowed")
-    ),
+    "a trailing semicolon": _with_file((_MODEL + ";", b"allowed")),
+    "tokens, not quoted strings": _with_file(("Content-Disposition: form-data; name=model", b"allowed")),
 }
 
 
